@@ -1,0 +1,20 @@
+# Two entry points (see README): `make serve` and `make test`. Both create .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+STAMP := $(VENV)/.installed
+
+$(STAMP): pyproject.toml
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/matrixinfer serve
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -q
+
+.PHONY: install serve test

@@ -1,0 +1,37 @@
+"""`matrixinfer` command line: each subsystem registers its own subcommands.
+
+A subsystem module exposes `register(sub, bench_sub)`: `sub` is the top-level subparsers
+object, `bench_sub` the one under `matrixinfer bench`. Each parser sets `func=` to the
+function that runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+SUBSYSTEMS = [
+    "matrixinfer.engine.cli",
+    "matrixinfer.sim.cli",
+    "matrixinfer.ems.cli",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="matrixinfer", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    bench = sub.add_parser("bench", help="benchmarks; results go to benchmarks/")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    for name in SUBSYSTEMS:
+        importlib.import_module(name).register(sub, bench_sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
