@@ -1,0 +1,128 @@
+"""Multi-head Latent Attention (MLA), DeepSeek-V2/V3.
+
+The cache holds, per token and layer, only the compressed latent c_kv (kv_lora_rank, after
+its RMSNorm) and the shared rope key k_pe (qk_rope_head_dim): never per-head K/V.
+
+Two ways to attend, which agree (tests check it):
+- unabsorbed (prefill): up-project the latents of the sequence to per-head K/V with kv_b_proj
+  and run ordinary causal attention. Cheaper when many queries share one up-projection.
+- absorbed (decode): fold kv_b_proj into the query and the output, so attention runs
+  directly over the latents: q_lat = q_nope @ W_UK, score = q_lat.c_kv + q_pe.k_pe,
+  out = (softmax @ c_kv) @ W_UV^T. Each decode step reads kv_lora_rank + rope dims per token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from matrixinfer.config import ModelConfig
+from matrixinfer.model.context import ForwardContext, get_context
+from matrixinfer.model.layers import RMSNorm, RotaryEmbedding
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads = cfg.num_attention_heads
+        self.nope_dim, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.qk_dim = cfg.qk_head_dim
+        self.kv_lora_rank = cfg.kv_lora_rank
+        self.q_lora_rank = cfg.q_lora_rank
+        self.scale = cfg.softmax_scale
+        h = cfg.hidden_size
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(h, self.n_heads * self.qk_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(h, cfg.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.n_heads * self.qk_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(h, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, self.n_heads * (self.nope_dim + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.v_dim, h, bias=False)
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim)
+        self.kv_cache: torch.Tensor | None = None  # [num_blocks, block_size, kv_lora_rank + rope], set by the engine
+
+    # -- the "MLA prolog": projections, norm, rope --------------------------------------------
+    def prolog(self, x: torch.Tensor, positions: torch.Tensor):
+        """x: [..., hidden] -> q_nope [..., H, nope], q_pe [..., H, rope], c_kv [..., rank], k_pe [..., rope]."""
+        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(*x.shape[:-1], self.n_heads, self.qk_dim)
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        c_kv = self.kv_a_layernorm(c_kv)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        q_pe = self.rotary(q_pe, cos, sin)
+        k_pe = self.rotary(k_pe.unsqueeze(-2), cos, sin).squeeze(-2)
+        return q_nope, q_pe, c_kv, k_pe
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        q_nope, q_pe, c_kv, k_pe = self.prolog(x, positions)
+        ctx = get_context()
+        if ctx is None:
+            out = self._attend_unabsorbed(q_nope, q_pe, c_kv, k_pe, causal_offset=0)
+        else:
+            out = self._forward_paged(ctx, q_nope, q_pe, c_kv, k_pe)
+        return self.o_proj(out.flatten(-2))
+
+    # -- weights folded for the absorbed path --------------------------------------------------
+    def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        w = self.kv_b_proj.weight.view(self.n_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        return w[:, : self.nope_dim], w[:, self.nope_dim :]  # [H, nope, rank], [H, v, rank]
+
+    def _attend_unabsorbed(self, q_nope, q_pe, c_kv, k_pe, causal_offset: int) -> torch.Tensor:
+        """q_*: [B, Tq, H, *]; c_kv/k_pe: [B, Tk, *] with Tk = causal_offset + Tq. Returns [B, Tq, H, v]."""
+        kv = self.kv_b_proj(c_kv).view(*c_kv.shape[:-1], self.n_heads, self.nope_dim + self.v_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe.unsqueeze(-2).expand(*k_nope.shape[:-1], self.rope_dim)], dim=-1)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        q, k, v = q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2)  # [B, H, T, d]
+        if causal_offset == 0:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        else:
+            tq, tk = q.shape[-2], k.shape[-2]
+            mask = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(diagonal=causal_offset)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        return out.transpose(-3, -2)
+
+    def _attend_absorbed(self, q_nope, q_pe, latents, lens) -> torch.Tensor:
+        """q_*: [S, H, *] one query per sequence; latents: [S, T, rank + rope]; lens: [S]. Returns [S, H, v]."""
+        w_uk, w_uv = self._w_uk_uv()
+        q_lat = torch.einsum("shd,hdr->shr", q_nope, w_uk)
+        q = torch.cat([q_lat, q_pe], dim=-1)  # [S, H, rank + rope]
+        scores = torch.bmm(q, latents.transpose(1, 2)).float() * self.scale  # [S, H, T]
+        valid = torch.arange(latents.shape[1], device=q.device)[None, :] < lens[:, None]
+        scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+        probs = scores.softmax(dim=-1).to(q.dtype)
+        o_lat = torch.bmm(probs, latents[..., : self.kv_lora_rank])  # [S, H, rank]
+        return torch.einsum("shr,hvr->shv", o_lat, w_uv)
+
+    # -- paged path -----------------------------------------------------------------------------
+    def _forward_paged(self, ctx: ForwardContext, q_nope, q_pe, c_kv, k_pe) -> torch.Tensor:
+        cache = self.kv_cache
+        flat = cache.view(-1, cache.shape[-1])
+        flat[ctx.slot_mapping] = torch.cat([c_kv, k_pe], dim=-1).to(cache.dtype)
+        out = q_nope.new_empty(q_nope.shape[0], self.n_heads, self.v_dim)
+        nd = ctx.num_decode_seqs
+        if nd:
+            tables = ctx.block_tables[:nd]
+            max_len = max(ctx.context_lens[:nd])
+            n_blocks = -(-max_len // cache.shape[1])
+            latents = cache[tables[:, :n_blocks]].flatten(1, 2)  # [S, n_blocks*block_size, D]
+            out[:nd] = self._attend_absorbed(q_nope[:nd], q_pe[:nd], latents, ctx.context_lens_tensor[:nd])
+        start = nd
+        for i in range(nd, len(ctx.query_lens)):
+            q_len, ctx_len = ctx.query_lens[i], ctx.context_lens[i]
+            n_blocks = -(-ctx_len // cache.shape[1])
+            seq_latents = cache[ctx.block_tables[i, :n_blocks]].flatten(0, 1)[:ctx_len]
+            sl = slice(start, start + q_len)
+            out[sl] = self._attend_unabsorbed(
+                q_nope[sl][None], q_pe[sl][None],
+                seq_latents[None, :, : self.kv_lora_rank], seq_latents[None, :, self.kv_lora_rank :],
+                causal_offset=ctx_len - q_len,
+            )[0]
+            start += q_len
+        return out

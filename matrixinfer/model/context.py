@@ -1,0 +1,46 @@
+"""Batch metadata for one paged forward step, set by the engine before the model runs.
+
+Deep layers (attention) read it instead of having it threaded through every call, as in
+nano-vllm. `None` means the dense (training / reference) path: a [B, T] batch attending
+causally within itself, with no cache.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardContext:
+    # Tokens are flattened: the first `num_decode_seqs` sequences contribute exactly one token
+    # each (served by the weight-absorbed MLA path), the rest are prefill chunks.
+    query_lens: list[int]
+    context_lens: list[int]  # tokens in cache for each sequence after this step
+    slot_mapping: torch.Tensor  # [num_tokens] flat cache slot of each new token
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int64
+    num_decode_seqs: int
+    context_lens_tensor: torch.Tensor | None = None  # [num_seqs] on device
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_decode_seqs
+
+
+_CONTEXT: ForwardContext | None = None
+
+
+def get_context() -> ForwardContext | None:
+    return _CONTEXT
+
+
+@contextmanager
+def forward_context(ctx: ForwardContext | None):
+    global _CONTEXT
+    prev, _CONTEXT = _CONTEXT, ctx
+    try:
+        yield ctx
+    finally:
+        _CONTEXT = prev

@@ -1,0 +1,143 @@
+"""Load a Hugging Face DeepSeek-V2/V3 directory (config.json + one or many safetensors files)
+into DeepseekForCausalLM: memory-mapped, any float dtype, optionally only some experts.
+
+Names are copied one for one; what differs between checkpoint layouts is mapped here:
+- MTP modules are stored as layers past num_hidden_layers (`model.layers.{L+k}.*`) and live
+  in `model.mtp.{k}.*`; their copies of the embedding and LM head are skipped (shared).
+- Some writers fuse experts into `mlp.experts.gate_up_proj` / `mlp.experts.down_proj`
+  [E, ...] tensors; they are split per expert.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from matrixinfer.config import ModelConfig
+from matrixinfer.model.deepseek import DeepseekForCausalLM
+from matrixinfer.model.moe import Router
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        dtype = cfg.torch_dtype if cfg.torch_dtype in DTYPES else "bfloat16"
+    if dtype not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r} (choose auto, float32, bfloat16, float16)")
+    return DTYPES[dtype]
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [s for s in shards if not (model_dir / s).exists()]
+        if missing:
+            raise CheckpointError(f"{index} names shard(s) that are missing: {missing}")
+        return [model_dir / s for s in shards]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors files in {model_dir}")
+    return files
+
+
+def _keys(path: Path) -> list[str]:
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        return list(f.keys())
+
+
+def _target_names(name: str, cfg: ModelConfig, with_mtp: bool):
+    """Map one checkpoint tensor name to [(our name, slice or None)]; [] means skip."""
+    m = re.match(r"model\.layers\.(\d+)\.(.*)", name)
+    if m and int(m.group(1)) >= cfg.num_hidden_layers:
+        k, rest = int(m.group(1)) - cfg.num_hidden_layers, m.group(2)
+        if not with_mtp or k >= cfg.num_nextn_predict_layers:
+            return []
+        if rest in ("embed_tokens.weight", "shared_head.head.weight"):
+            return []
+        return [(f"model.mtp.{k}.{rest}", None)]
+    fused = re.match(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$", name)
+    if fused:
+        prefix, kind = fused.groups()
+        return [(f"{prefix}.*.{kind}", None)]  # expanded per expert by the caller
+    if name.endswith("rotary_emb.inv_freq"):
+        return []
+    return [(name, None)]
+
+
+def load_model(
+    model_dir: str | Path,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    expert_ids: list[int] | None = None,
+    with_mtp: bool = True,
+) -> DeepseekForCausalLM:
+    model_dir = Path(model_dir)
+    cfg = ModelConfig.from_pretrained(model_dir)
+    torch_dtype = resolve_dtype(dtype, cfg)
+    files = checkpoint_files(model_dir)
+    # MTP weights are optional: transformers' save_pretrained drops them, DeepSeek ships them.
+    mtp_prefix = f"model.layers.{cfg.num_hidden_layers}."
+    with_mtp = with_mtp and cfg.num_nextn_predict_layers > 0 and any(
+        k.startswith(mtp_prefix) for path in files for k in _keys(path)
+    )
+    with torch.device("meta"):
+        model = DeepseekForCausalLM(cfg, expert_ids=expert_ids, with_mtp=with_mtp).to(torch_dtype)
+    for router in model.modules():
+        if isinstance(router, Router):  # the gate stays float32 whatever the model dtype
+            router.float()
+    model = model.to_empty(device=device)
+    for layer in model.attention_layers():
+        layer.rotary.reset_parameters()  # non-persistent buffers are not in the checkpoint
+    params = dict(model.named_parameters())
+    params.update(dict(model.named_buffers()))
+    expected = {n for n in params if not n.endswith("inv_freq")}
+    if cfg.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+    loaded: set[str] = set()
+
+    def copy(name: str, tensor: torch.Tensor, source: str):
+        if name not in params:
+            if re.search(r"\.mlp\.experts\.\d+\.", name) and expert_ids is not None:
+                return  # an expert this process does not hold
+            raise CheckpointError(f"unexpected tensor {source!r} in checkpoint (maps to {name!r})")
+        p = params[name]
+        if tuple(p.shape) != tuple(tensor.shape):
+            raise CheckpointError(f"tensor {source!r}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(p.shape)}")
+        with torch.no_grad():
+            p.copy_(tensor.to(p.dtype))
+        loaded.add(name)
+
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for source in f.keys():
+                if "float8" in str(f.get_slice(source).get_dtype()).lower() or source.endswith("weight_scale_inv"):
+                    raise CheckpointError(f"tensor {source!r} is FP8-quantized: dequantize the checkpoint to bf16 first")
+                for target, _ in _target_names(source, cfg, with_mtp):
+                    if ".*." in target:  # fused experts [E, ...]
+                        t = f.get_tensor(source)
+                        base, kind = target.split(".*.")
+                        for e in range(t.shape[0]):
+                            if kind == "gate_up_proj":
+                                gate, up = t[e].chunk(2, dim=0)
+                                copy(f"{base}.{e}.gate_proj.weight", gate, source)
+                                copy(f"{base}.{e}.up_proj.weight", up, source)
+                            else:
+                                copy(f"{base}.{e}.down_proj.weight", t[e], source)
+                    elif target in params or not re.search(r"\.mlp\.experts\.\d+\.", target) or expert_ids is None:
+                        copy(target, f.get_tensor(source), source)
+    missing = sorted(expected - loaded)
+    if missing:
+        raise CheckpointError(f"checkpoint {model_dir} lacks {len(missing)} tensor(s), first: {missing[:5]}")
+    return model.eval()

@@ -1,0 +1,88 @@
+"""DeepSeekMoE: a router (grouped top-k with the aux-loss-free correction bias), routed
+experts and always-on shared experts.
+
+The routed experts held by this process may be a subset (expert parallelism): `experts` maps
+global expert id -> MLP, and `forward_local` computes only the local ones. The router always
+scores all experts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from matrixinfer.config import ModelConfig
+from matrixinfer.model.layers import MLP
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_experts, self.top_k = cfg.n_routed_experts, cfg.num_experts_per_tok
+        self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
+        self.topk_method, self.scoring_func = cfg.topk_method, cfg.scoring_func
+        self.norm_topk_prob, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
+        # The gate stays float32 whatever the model dtype: routing decisions are sensitive.
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size, dtype=torch.float32))
+        if self.topk_method == "noaux_tc":
+            self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x.float(), self.weight.float())
+        return logits.sigmoid() if self.scoring_func == "sigmoid" else logits.softmax(dim=-1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [N, hidden] -> (weights [N, top_k] float32, expert ids [N, top_k])."""
+        scores = self.scores(x)
+        if self.topk_method == "greedy":
+            choice = scores
+        else:
+            n = scores.shape[0]
+            choice = scores + self.e_score_correction_bias if self.topk_method == "noaux_tc" else scores
+            grouped = choice.view(n, self.n_group, -1)
+            # noaux_tc ranks a group by its two best experts; group_limited_greedy by its best one
+            group_scores = grouped.topk(2, dim=-1)[0].sum(-1) if self.topk_method == "noaux_tc" else grouped.amax(-1)
+            group_idx = group_scores.topk(self.topk_group, dim=-1, sorted=False)[1]
+            group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0).bool()
+            expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(n, -1)
+            fill = float("-inf") if self.topk_method == "noaux_tc" else 0.0
+            choice = choice.masked_fill(~expert_mask, fill)
+        ids = choice.topk(self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, ids
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, expert_ids: list[int] | None = None):
+        super().__init__()
+        self.gate = Router(cfg)
+        ids = range(cfg.n_routed_experts) if expert_ids is None else expert_ids
+        self.experts = nn.ModuleDict({str(e): MLP(cfg.hidden_size, cfg.moe_intermediate_size) for e in ids})
+        self.shared_experts = (
+            MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts) if cfg.n_shared_experts else None
+        )
+
+    def forward_local(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Weighted sum of the local experts' outputs for the (token, expert) pairs routed to them."""
+        out = torch.zeros_like(x)
+        hit = torch.unique(ids).tolist()
+        for e in hit:
+            expert = self.experts[str(e)] if str(e) in self.experts else None
+            if expert is None:
+                continue
+            token_idx, slot = torch.where(ids == e)
+            y = expert(x[token_idx]) * weights[token_idx, slot, None].to(x.dtype)
+            out.index_add_(0, token_idx, y)
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, ids = self.gate(x)
+        out = self.forward_local(x, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out.view(shape)

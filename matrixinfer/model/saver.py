@@ -1,0 +1,40 @@
+"""Write a DeepseekForCausalLM as a Hugging Face directory that both our loader and
+transformers' DeepseekV3ForCausalLM read: MTP modules go back to `model.layers.{L+k}.*`
+with the copies of the embedding and head DeepSeek checkpoints carry."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from matrixinfer.model.deepseek import DeepseekForCausalLM
+
+
+def checkpoint_state_dict(model: DeepseekForCausalLM, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    cfg = model.config
+    out: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict().items():
+        if name.endswith("inv_freq") or (cfg.tie_word_embeddings and name == "lm_head.weight"):
+            continue
+        if name.startswith("model.mtp."):
+            k, rest = name[len("model.mtp."):].split(".", 1)
+            name = f"model.layers.{cfg.num_hidden_layers + int(k)}.{rest}"
+        keep_fp32 = ".mlp.gate." in name  # router weight and correction bias
+        out[name] = t.detach().to(torch.float32 if keep_fp32 else dtype).contiguous().clone()
+    for k in range(len(model.model.mtp)):
+        prefix = f"model.layers.{cfg.num_hidden_layers + k}."
+        out[prefix + "embed_tokens.weight"] = out["model.embed_tokens.weight"].clone()
+        out[prefix + "shared_head.head.weight"] = model.lm_head.weight.detach().to(dtype).contiguous().clone()
+    return out
+
+
+def save_pretrained(model: DeepseekForCausalLM, out_dir: str | Path, hf_config: dict, dtype: torch.dtype = torch.bfloat16):
+    """hf_config: the config.json dict (e.g. DeepseekV3Config(...).to_dict() or a hand-written one)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(checkpoint_state_dict(model, dtype), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    hf_config = {**hf_config, "torch_dtype": str(dtype).removeprefix("torch.")}
+    (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,52 @@
+"""Tiny random DeepSeek V2/V3 checkpoints written by transformers' own save_pretrained:
+the oracle side of every model test."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TINY = dict(
+    vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+    v_head_dim=12, max_position_embeddings=256, first_k_dense_replace=1, bos_token_id=0, eos_token_id=1,
+)
+
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
+
+# name -> (config class name, overrides)
+VARIANTS = {
+    "v3-qlora-yarn": ("DeepseekV3Config", dict(q_lora_rank=24, n_routed_experts=8, n_group=4, topk_group=2,
+                                              num_experts_per_tok=3, routed_scaling_factor=2.5, rope_parameters=YARN)),
+    "v3-noqlora": ("DeepseekV3Config", dict(q_lora_rank=None, n_routed_experts=8, n_group=2, topk_group=1,
+                                           num_experts_per_tok=2, rope_interleave=False, n_shared_experts=2)),
+    "v2-greedy": ("DeepseekV2Config", dict(q_lora_rank=None, n_routed_experts=6, num_experts_per_tok=2,
+                                          topk_method="greedy", n_shared_experts=1, routed_scaling_factor=1.0)),
+    "v2-group-limited-yarn": ("DeepseekV2Config", dict(q_lora_rank=20, n_routed_experts=8, n_group=4, topk_group=2,
+                                                      num_experts_per_tok=2, topk_method="group_limited_greedy",
+                                                      n_shared_experts=1, rope_parameters=YARN)),
+}
+
+
+def make_checkpoint(path: Path, variant: str, seed: int = 0, **extra):
+    """Save a random tiny model of `variant` with transformers and return the HF model (float32, eval)."""
+    import transformers
+
+    cls_name, overrides = VARIANTS[variant]
+    cfg = getattr(transformers, cls_name)(**{**TINY, **overrides, **extra})
+    model_cls = transformers.DeepseekV3ForCausalLM if "V3" in cls_name else transformers.DeepseekV2ForCausalLM
+    torch.manual_seed(seed)
+    model = model_cls(cfg).float().eval()
+    with torch.no_grad():  # random weights large enough that routing and attention matter
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            elif p.dim() >= 2:
+                p.normal_(0, 0.2)
+        for m in model.modules():
+            if hasattr(m, "e_score_correction_bias"):
+                m.e_score_correction_bias.normal_(0, 0.1)
+    model.save_pretrained(path)
+    return model
