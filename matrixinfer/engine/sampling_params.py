@@ -1,0 +1,53 @@
+"""Sampling parameters, named and defaulted as in vLLM so users' scripts port over."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # number of top logprobs to return besides the sampled token's
+    skip_special_tokens: bool = True
+    stop_list: list[str] = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self.stop_list = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == 0:
+            self.top_k = -1
+        errors = []
+        if self.n < 1:
+            errors.append(f"n must be >= 1, got {self.n}")
+        if self.temperature < 0:
+            errors.append(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            errors.append(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            errors.append(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            errors.append(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            errors.append(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.logprobs is not None and self.logprobs < 0:
+            errors.append(f"logprobs must be >= 0, got {self.logprobs}")
+        if any(not s for s in self.stop_list):
+            errors.append("stop strings must be non-empty")
+        if errors:
+            raise ValueError("; ".join(errors))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
