@@ -1,5 +1,97 @@
-"""CLI subcommands of this subsystem (registered by matrixinfer.cli)."""
+"""CLI subcommands of this subsystem (registered by matrixinfer.cli).
+
+    matrixinfer ems controller --port P
+    matrixinfer ems server --controller HOST:P --dram-bytes 1G --ssd-dir DIR [--port Q]
+    matrixinfer ems model-load --controller HOST:P --model DIR [--bandwidth-mbps 200]
+    matrixinfer ems stats --controller HOST:P
+    matrixinfer bench ems [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+
+from .config import ControllerConfig, ServerConfig
+
+
+def parse_bytes(text: str) -> int:
+    """'1G', '256M', '64KiB', '1048576' -> bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B)?\s*", str(text), re.I)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 512M, 4G)")
+    return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2).upper() or " "))
+
+
+def _controller(args) -> int:
+    from .controller import run_controller
+
+    return run_controller(ControllerConfig(host=args.host, port=args.port, heartbeat_timeout_s=args.heartbeat_timeout, vnodes=args.vnodes))
+
+
+def _server(args) -> int:
+    from .server import run_server
+
+    cfg = ServerConfig(controller=args.controller, host=args.host, port=args.port, dram_bytes=args.dram_bytes,
+                       ssd_dir=args.ssd_dir, server_id=args.id, fsync=args.fsync, heartbeat_s=args.heartbeat)
+    return run_server(cfg)
+
+
+def _model_load(args) -> int:
+    from .model_cache import load_model_cli
+
+    return load_model_cli(args)
+
+
+def _stats(args) -> int:
+    from .client import EMSClient
+
+    with EMSClient(args.controller) as c:
+        print(json.dumps(c.stats(), indent=2))
+    return 0
+
+
+def _bench(args) -> int:
+    from .bench import run_bench
+
+    return run_bench(args)
 
 
 def register(sub, bench_sub) -> None:
-    pass
+    ems = sub.add_parser("ems", help="Elastic Memory Service: controller, MP servers, model cache")
+    ems_sub = ems.add_subparsers(dest="ems_command", required=True)
+
+    p = ems_sub.add_parser("controller", help="membership, hash ring, namespaces (metadata only)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=7900)
+    p.add_argument("--heartbeat-timeout", type=float, default=3.0, help="seconds before a silent server is dropped")
+    p.add_argument("--vnodes", type=int, default=160, help="virtual nodes per server on the ring")
+    p.set_defaults(func=_controller)
+
+    p = ems_sub.add_parser("server", help="one MP server: DRAM arena over an SSD log")
+    p.add_argument("--controller", required=True, help="HOST:PORT of the controller")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="0 = pick a free port")
+    p.add_argument("--dram-bytes", type=parse_bytes, default=parse_bytes("256M"))
+    p.add_argument("--ssd-dir", required=True)
+    p.add_argument("--id", default=None, help="server id (default: derived from --ssd-dir)")
+    p.add_argument("--fsync", choices=["always", "never"], default="always", help="always: acknowledge puts only after fsync")
+    p.add_argument("--heartbeat", type=float, default=0.5)
+    p.set_defaults(func=_server)
+
+    p = ems_sub.add_parser("model-load", help="load a checkpoint through the EMS model cache")
+    p.add_argument("--controller", required=True)
+    p.add_argument("--model", required=True, help="directory with *.safetensors")
+    p.add_argument("--namespace", default="model-cache")
+    p.add_argument("--bandwidth-mbps", type=float, default=0.0, help="throttle reads of the source (0 = unthrottled)")
+    p.set_defaults(func=_model_load)
+
+    p = ems_sub.add_parser("stats", help="print every MP server's stats")
+    p.add_argument("--controller", required=True)
+    p.set_defaults(func=_stats)
+
+    b = bench_sub.add_parser("ems", help="EMS vs Redis put/get; model cache vs direct loading")
+    b.add_argument("--quick", action="store_true", help="smaller sweep (smoke test)")
+    b.add_argument("--out", default="ems", help="benchmarks/<out>.json")
+    b.set_defaults(func=_bench)

@@ -1,0 +1,201 @@
+"""EMS client library for asyncio: the same API as EMSClient, awaitable.
+
+    c = await AsyncEMSClient.connect("127.0.0.1:7900", namespace="tenant-a")
+    await c.put("k", b"v"); await c.get("k")
+
+Batches go to all owning servers concurrently (asyncio.gather). Same failure rule as the sync
+client: an unreachable server is a miss, bad input raises EMSError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from .arena import ArenaReader
+from .protocol import EMSError, as_buffer, async_recv_frame, async_send_frame, parse_addr, split_payload, wire_key
+from .server import boot_id
+from .view import ClusterView, Member
+
+NET_ERRORS = (OSError, ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError)
+
+
+class _AsyncConn:
+    def __init__(self, host: str, port: int, timeout_s: float):
+        self.host, self.port, self.timeout_s = host, port, timeout_s
+        self.lock = asyncio.Lock()
+        self.rw: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+
+    async def call(self, header: dict, buffers=()) -> tuple[dict, bytes]:
+        async with self.lock:
+            try:
+                return await asyncio.wait_for(self._call(header, buffers), self.timeout_s)
+            except BaseException:
+                self.close()  # the stream may be mid-frame: never reuse it
+                raise
+
+    async def _call(self, header, buffers):
+        if self.rw is None:
+            self.rw = await asyncio.open_connection(self.host, self.port)
+        reader, writer = self.rw
+        async_send_frame(writer, header, buffers)
+        await writer.drain()
+        reply, payload = await async_recv_frame(reader)
+        if reply.get("ok") is False:
+            raise EMSError(reply.get("error", "request failed"))
+        return reply, payload
+
+    def close(self) -> None:
+        if self.rw is not None:
+            self.rw[1].close()
+            self.rw = None
+
+
+class AsyncEMSClient:
+    def __init__(self, controller: str, namespace: str = "default", *, zero_copy: bool = True, timeout_s: float = 5.0):
+        self.ctl_addr = parse_addr(controller)
+        self.ns, self.zero_copy, self.timeout_s = namespace, zero_copy, timeout_s
+        self.view = ClusterView()
+        self._view_at = 0.0
+        self._conns: dict[str, _AsyncConn] = {}
+        self._readers: dict[str, ArenaReader | None] = {}
+        self._down: dict[str, float] = {}
+
+    @classmethod
+    async def connect(cls, controller: str, namespace: str = "default", **kw) -> "AsyncEMSClient":
+        c = cls(controller, namespace, **kw)
+        await c._controller({"op": "ns_create", "name": namespace, "if_absent": True})
+        await c.refresh_view(force=True)
+        return c
+
+    async def _controller(self, header: dict) -> dict:
+        conn = _AsyncConn(*self.ctl_addr, self.timeout_s)
+        try:
+            return (await conn.call(header))[0]
+        finally:
+            conn.close()
+
+    async def refresh_view(self, force: bool = False) -> None:
+        if not force and time.monotonic() - self._view_at < 1.0:
+            return
+        self._view_at = time.monotonic()
+        try:
+            reply = await self._controller({"op": "view"})
+        except NET_ERRORS:
+            return
+        if reply["version"] != self.view.version:
+            self.view = ClusterView.from_reply(reply)
+            for sid in list(self._conns):
+                if sid not in self.view.members:
+                    self._conns.pop(sid).close()
+
+    def _reader(self, m: Member) -> ArenaReader | None:
+        if m.id not in self._readers:
+            r = None
+            if self.zero_copy and m.shm and m.boot_id == boot_id():
+                try:
+                    r = ArenaReader(m.shm)
+                except OSError:
+                    r = None
+            self._readers[m.id] = r
+        return self._readers[m.id]
+
+    async def _call(self, sid: str | None, header: dict, buffers=()):
+        m = self.view.members.get(sid) if sid else None
+        if m is None or self._down.get(sid, 0) > time.monotonic():
+            return None
+        conn = self._conns.get(sid)
+        if conn is None:
+            conn = self._conns[sid] = _AsyncConn(m.host, m.port, self.timeout_s)
+        try:
+            return await conn.call({**header, "ns": self.ns}, buffers)
+        except NET_ERRORS:
+            self._down[sid] = time.monotonic() + 1.0
+            self._view_at = 0.0
+            return None
+
+    async def _fanout(self, keys: list[str], fn) -> list:
+        await self.refresh_view()
+        groups = list(self.view.route(self.ns, keys).items())
+        results = await asyncio.gather(*(fn(sid, idx) for sid, idx in groups))
+        return [(idx, r) for (_, idx), r in zip(groups, results)]
+
+    async def put(self, key, value) -> bool:
+        return (await self.put_many([(key, value)]))[0]
+
+    async def get(self, key) -> bytes | None:
+        return (await self.get_many([key]))[0]
+
+    async def put_many(self, items) -> list[bool]:
+        pairs = list(items.items() if isinstance(items, dict) else items)
+        ks, bufs = [wire_key(k) for k, _ in pairs], [as_buffer(v) for _, v in pairs]
+        out = [False] * len(ks)
+
+        async def one(sid, idx):
+            r = await self._call(sid, {"op": "put_many", "keys": [ks[i] for i in idx], "lens": [len(bufs[i]) for i in idx]}, [bufs[i] for i in idx])
+            return r[0]["stored"] if r else [False] * len(idx)
+
+        for idx, stored in await self._fanout(ks, one):
+            for i, ok in zip(idx, stored):
+                out[i] = ok
+        return out
+
+    async def get_many(self, keys) -> list[bytes | None]:
+        ks = [wire_key(k) for k in keys]
+        out: list[bytes | None] = [None] * len(ks)
+
+        async def one(sid, idx):
+            m = self.view.members.get(sid) if sid else None
+            reader = self._reader(m) if m else None
+            group = [ks[i] for i in idx]
+            r = await self._call(sid, {"op": "get_many", "keys": group, "shm": reader is not None})
+            if r is None:
+                return [None] * len(idx)
+            reply, payload = r
+            views = iter(split_payload(payload, [n for n in reply["lens"] if n >= 0]))
+            vals = []
+            for k, loc, n in zip(group, reply["locs"], reply["lens"]):
+                if n >= 0:
+                    vals.append(bytes(next(views)))
+                elif loc is not None:
+                    v = reader.read_bytes(loc[0], loc[2], loc[1])
+                    if v is None:  # replaced while we copied: fetch over TCP
+                        rr = await self._call(sid, {"op": "get_many", "keys": [k], "shm": False})
+                        v = rr[1] if rr and rr[0]["lens"][0] >= 0 else None
+                    vals.append(v)
+                else:
+                    vals.append(None)
+            return vals
+
+        for idx, vals in await self._fanout(ks, one):
+            for i, v in zip(idx, vals):
+                out[i] = v
+        return out
+
+    async def exists(self, keys) -> list[bool]:
+        ks = [wire_key(k) for k in keys]
+        out = [False] * len(ks)
+
+        async def one(sid, idx):
+            r = await self._call(sid, {"op": "exists", "keys": [ks[i] for i in idx]})
+            return r[0]["found"] if r else [False] * len(idx)
+
+        for idx, found in await self._fanout(ks, one):
+            for i, f in zip(idx, found):
+                out[i] = f
+        return out
+
+    async def delete(self, key) -> bool:
+        k = wire_key(key)
+        await self.refresh_view()
+        r = await self._call(self.view.owner(self.ns, k), {"op": "delete", "key": k})
+        return bool(r and r[0]["deleted"])
+
+    async def close(self) -> None:
+        for c in self._conns.values():
+            c.close()
+        self._conns.clear()
+        for r in self._readers.values():
+            if r:
+                r.close()
+        self._readers.clear()

@@ -1,0 +1,184 @@
+"""The MP server's DRAM tier: one pre-allocated shared-memory arena and its allocator.
+
+The arena is a file in /dev/shm mapped by the server (read/write) and by same-host clients
+(read-only): a client reads a value straight out of the server's memory, the stand-in for
+UB zero-copy DMA. Blocks are variable-length (best fit, neighbours coalesced on free), each
+with a small header so a reader can tell whether the block still holds the object it asked
+for (see `BLOCK_HEADER`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import mmap
+import os
+import struct
+
+ALIGN = 64  # cache line; also keeps tensors read out of the arena aligned
+# Block header: (token, length). The server writes the token last when an object becomes
+# visible and zeroes it first when the block is freed, so a client that sees the same
+# non-zero token before and after its copy has read bytes of exactly that object.
+BLOCK_HEADER = struct.Struct("<QQ")
+HEADER_BYTES = ALIGN
+
+
+def round_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+class Allocator:
+    """Best-fit variable-length allocator over [0, capacity) with coalescing on free."""
+
+    def __init__(self, capacity: int, align: int = ALIGN):
+        self.capacity = capacity - capacity % align
+        self.align = align
+        self._free_start: dict[int, int] = {}  # start -> size
+        self._free_end: dict[int, int] = {}  # end -> start
+        self._by_size: list[tuple[int, int]] = []  # sorted (size, start): best fit by bisect
+        self._used: dict[int, int] = {}  # start -> size
+        self.used_bytes = 0
+        if self.capacity:
+            self._add_free(0, self.capacity)
+
+    def _add_free(self, start: int, size: int) -> None:
+        self._free_start[start] = size
+        self._free_end[start + size] = start
+        bisect.insort(self._by_size, (size, start))
+
+    def _del_free(self, start: int) -> int:
+        size = self._free_start.pop(start)
+        del self._free_end[start + size]
+        i = bisect.bisect_left(self._by_size, (size, start))
+        del self._by_size[i]
+        return size
+
+    def alloc(self, nbytes: int) -> int | None:
+        """Offset of a block of at least `nbytes`, or None if no free extent is large enough."""
+        n = round_up(max(nbytes, 1), self.align)
+        i = bisect.bisect_left(self._by_size, (n, -1))
+        if i == len(self._by_size):
+            return None
+        size, start = self._by_size[i]
+        self._del_free(start)
+        if size > n:
+            self._add_free(start + n, size - n)
+        self._used[start] = n
+        self.used_bytes += n
+        return start
+
+    def free(self, start: int) -> None:
+        size = self._used.pop(start)
+        self.used_bytes -= size
+        prev = self._free_end.get(start)
+        if prev is not None:  # merge with the free extent just before
+            size += self._del_free(prev)
+            start = prev
+        if start + size in self._free_start:  # and with the one just after
+            size += self._del_free(start + size)
+        self._add_free(start, size)
+
+    def block_size(self, start: int) -> int:
+        return self._used[start]
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity - self.used_bytes
+
+    @property
+    def largest_free(self) -> int:
+        return self._by_size[-1][0] if self._by_size else 0
+
+    def fragmentation(self) -> float:
+        """External fragmentation: 1 - largest free extent / all free bytes (0 = one extent)."""
+        free = self.free_bytes
+        return 0.0 if free == 0 else 1.0 - self.largest_free / free
+
+    def stats(self) -> dict:
+        return {
+            "capacity": self.capacity,
+            "used_bytes": self.used_bytes,
+            "free_bytes": self.free_bytes,
+            "free_extents": len(self._by_size),
+            "largest_free": self.largest_free,
+            "fragmentation": round(self.fragmentation(), 4),
+        }
+
+
+class Arena:
+    """Shared-memory arena: blocks of (header, value) handed out by an `Allocator`."""
+
+    def __init__(self, nbytes: int, path: str | None = None):
+        self.path = path
+        self.size = round_up(nbytes)
+        if path:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.ftruncate(fd, self.size)
+                self.mm = mmap.mmap(fd, self.size)
+            finally:
+                os.close(fd)
+        else:
+            self.mm = mmap.mmap(-1, self.size)
+        self.buf = memoryview(self.mm)
+        self.alloc = Allocator(self.size)
+
+    def allocate(self, value_len: int) -> int | None:
+        return self.alloc.alloc(HEADER_BYTES + value_len)
+
+    def data(self, off: int, length: int) -> memoryview:
+        return self.buf[off + HEADER_BYTES : off + HEADER_BYTES + length]
+
+    def publish(self, off: int, token: int, length: int) -> None:
+        BLOCK_HEADER.pack_into(self.buf, off, token, length)
+
+    def release(self, off: int) -> None:
+        """Invalidate the header (readers notice), then give the space back."""
+        BLOCK_HEADER.pack_into(self.buf, off, 0, 0)
+        self.alloc.free(off)
+
+    def close(self, unlink: bool = True) -> None:
+        try:
+            self.buf.release()
+            self.mm.close()
+        except BufferError:
+            pass  # a request thread still holds a view; the mapping goes with the process
+        if unlink and self.path:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+
+class ArenaReader:
+    """A same-host client's read-only view of a server's arena."""
+
+    def __init__(self, path: str):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            self.mm = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        self.buf = memoryview(self.mm)
+
+    def read_into(self, off: int, token: int, length: int, out: memoryview) -> bool:
+        """Copy the value at `off` into `out`; False if the block changed under us (then ask again)."""
+        if off + HEADER_BYTES + length > len(self.buf):
+            return False
+        if BLOCK_HEADER.unpack_from(self.buf, off) != (token, length):
+            return False
+        out[:length] = self.buf[off + HEADER_BYTES : off + HEADER_BYTES + length]
+        return BLOCK_HEADER.unpack_from(self.buf, off) == (token, length)
+
+    def read_bytes(self, off: int, token: int, length: int) -> bytes | None:
+        """The value at `off` as a new bytes object (one copy, out of shared memory)."""
+        if off + HEADER_BYTES + length > len(self.buf) or BLOCK_HEADER.unpack_from(self.buf, off) != (token, length):
+            return None
+        data = bytes(self.buf[off + HEADER_BYTES : off + HEADER_BYTES + length])
+        return data if BLOCK_HEADER.unpack_from(self.buf, off) == (token, length) else None
+
+    def close(self) -> None:
+        try:
+            self.buf.release()
+            self.mm.close()
+        except BufferError:
+            pass  # a caller still holds a view; the mapping goes with the process

@@ -1,0 +1,233 @@
+"""EMS client library (sync): put/get/exists/delete and batches, per namespace.
+
+The client pulls the ring view from the controller and talks to MP servers directly. A server
+that is down or slow costs a miss (get -> None, put -> False), never an exception: callers
+are serving requests and a cache must not fail them. Bad input raises EMSError.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from .arena import ArenaReader
+from .config import ClientConfig
+from .protocol import Connection, EMSError, as_buffer, call_once, parse_addr, split_payload, wire_key
+from .server import boot_id
+from .view import ClusterView, Member
+
+NET_ERRORS = (OSError, ConnectionError, TimeoutError)
+
+
+class _Server:
+    """Client-side handle of one MP server: its connection and (same host) its arena."""
+
+    def __init__(self, m: Member, cfg: ClientConfig):
+        self.member = m
+        self.conn = Connection((m.host, m.port), cfg.timeout_s)
+        self.reader: ArenaReader | None = None
+        if cfg.zero_copy and m.shm and m.boot_id == boot_id():
+            try:
+                self.reader = ArenaReader(m.shm)
+            except OSError:
+                self.reader = None  # not visible to us after all: use TCP
+        self.down_until = 0.0
+
+    def close(self) -> None:
+        self.conn.close()
+        if self.reader:
+            self.reader.close()
+
+
+class EMSClient:
+    def __init__(self, controller: str, namespace: str = "default", *, zero_copy: bool = True,
+                 timeout_s: float = 5.0, dram_bytes: int | None = None, ssd_bytes: int | None = None):
+        self.cfg = ClientConfig(controller=controller, namespace=namespace, zero_copy=zero_copy, timeout_s=timeout_s)
+        parse_addr(controller)
+        self.ns = namespace
+        self._lock = threading.Lock()
+        self._servers: dict[str, _Server] = {}
+        self.view = ClusterView()
+        self._view_at = 0.0
+        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ems-client")
+        # Namespaces are created on first use; explicit quotas (re)define them.
+        self.create_namespace(namespace, dram_bytes, ssd_bytes, if_absent=dram_bytes is None and ssd_bytes is None)
+        self.refresh_view(force=True)
+
+    # -- controller --------------------------------------------------------------------------------
+    def create_namespace(self, name: str, dram_bytes: int | None = None, ssd_bytes: int | None = None, if_absent: bool = False) -> bool:
+        reply = call_once(self.cfg.controller, {"op": "ns_create", "name": name, "dram_bytes": dram_bytes, "ssd_bytes": ssd_bytes, "if_absent": if_absent}, self.cfg.timeout_s)
+        return reply["created"]
+
+    def refresh_view(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._view_at < self.cfg.view_refresh_s:
+            return
+        self._view_at = now
+        try:
+            reply = call_once(self.cfg.controller, {"op": "view"}, self.cfg.timeout_s)
+        except NET_ERRORS:
+            return  # controller unreachable: keep serving with the last view
+        with self._lock:
+            if reply["version"] == self.view.version:
+                return
+            self.view = ClusterView.from_reply(reply)
+            for sid in list(self._servers):
+                if sid not in self.view.members or self._servers[sid].member != self.view.members[sid]:
+                    self._servers.pop(sid).close()
+
+    def _server(self, sid: str) -> _Server | None:
+        with self._lock:
+            s = self._servers.get(sid)
+            if s is None and sid in self.view.members:
+                s = self._servers[sid] = _Server(self.view.members[sid], self.cfg)
+            return s
+
+    def _call(self, sid: str | None, header: dict, buffers=(), into=None):
+        """One request to one server; None if it is unreachable (the caller treats it as a miss)."""
+        s = self._server(sid) if sid else None
+        if s is None or s.down_until > time.monotonic():
+            return None
+        try:
+            return s.conn.call({**header, "ns": self.ns}, buffers, into)
+        except NET_ERRORS:
+            s.down_until = time.monotonic() + self.cfg.down_backoff_s
+            self._view_at = 0.0  # membership probably changed: look again on the next call
+            return None
+
+    def _fanout(self, keys: list[str], fn) -> list:
+        """Run fn(server_id, indices) for each owning server in parallel; returns their results."""
+        self.refresh_view()
+        groups = self.view.route(self.ns, keys)
+        if len(groups) == 1:
+            (sid, idx), = groups.items()
+            return [(idx, fn(sid, idx))]
+        futures = [(idx, self._pool.submit(fn, sid, idx)) for sid, idx in groups.items()]
+        return [(idx, f.result()) for idx, f in futures]
+
+    # -- single-key API ---------------------------------------------------------------------------
+    def put(self, key: str | bytes, value) -> bool:
+        """Store value (bytes or any buffer, e.g. a CPU tensor); True once durable on its server."""
+        k, buf = wire_key(key), as_buffer(value)
+        self.refresh_view()
+        reply = self._call(self.view.owner(self.ns, k), {"op": "put", "key": k}, [buf])
+        return reply is not None
+
+    def get(self, key: str | bytes) -> bytes | None:
+        return self.get_many([key])[0]
+
+    def get_into(self, key: str | bytes, out) -> int | None:
+        """Copy the value straight into a writable buffer (e.g. a tensor); its length, or None."""
+        value = self.get(key)  # one copy out of shared memory; a second into `out`
+        if value is None:
+            return None
+        dst = as_buffer(out)
+        if len(dst) < len(value):
+            raise EMSError(f"buffer of {len(dst)} bytes too small for a {len(value)}-byte value")
+        dst[: len(value)] = value
+        return len(value)
+
+    def exists(self, keys) -> list[bool] | bool:
+        single = isinstance(keys, (str, bytes))
+        ks = [wire_key(k) for k in ([keys] if single else keys)]
+        out = [False] * len(ks)
+
+        def one(sid, idx):
+            r = self._call(sid, {"op": "exists", "keys": [ks[i] for i in idx]})
+            return r[0]["found"] if r else [False] * len(idx)
+
+        for idx, found in self._fanout(ks, one):
+            for i, f in zip(idx, found):
+                out[i] = f
+        return out[0] if single else out
+
+    def delete(self, key: str | bytes) -> bool:
+        k = wire_key(key)
+        self.refresh_view()
+        r = self._call(self.view.owner(self.ns, k), {"op": "delete", "key": k})
+        return bool(r and r[0]["deleted"])
+
+    def lease(self, key: str | bytes, ttl_s: float = 30.0) -> bool:
+        """True if the caller should fill this absent key (the others wait for it)."""
+        k = wire_key(key)
+        self.refresh_view()
+        r = self._call(self.view.owner(self.ns, k), {"op": "lease", "key": k, "ttl_s": ttl_s})
+        return bool(r and r[0]["acquired"])
+
+    # -- batches ----------------------------------------------------------------------------------
+    def put_many(self, items) -> list[bool]:
+        """items: dict or (key, value) pairs; one request per server, all servers in parallel."""
+        pairs = list(items.items() if isinstance(items, dict) else items)
+        ks = [wire_key(k) for k, _ in pairs]
+        bufs = [as_buffer(v) for _, v in pairs]
+        out = [False] * len(ks)
+
+        def one(sid, idx):
+            r = self._call(sid, {"op": "put_many", "keys": [ks[i] for i in idx], "lens": [len(bufs[i]) for i in idx]}, [bufs[i] for i in idx])
+            return r[0]["stored"] if r else [False] * len(idx)
+
+        for idx, stored in self._fanout(ks, one):
+            for i, ok in zip(idx, stored):
+                out[i] = ok
+        return out
+
+    def get_many(self, keys) -> list[bytes | None]:
+        ks = [wire_key(k) for k in keys]
+        out: list[bytes | None] = [None] * len(ks)
+        for idx, values in self._fanout(ks, lambda sid, idx: self._get_group(sid, [ks[i] for i in idx])):
+            for i, v in zip(idx, values):
+                out[i] = v
+        return out
+
+    def _get_group(self, sid: str | None, keys: list[str]) -> list[bytes | None]:
+        s = self._server(sid) if sid else None
+        shm = s is not None and s.reader is not None
+        r = self._call(sid, {"op": "get_many", "keys": keys, "shm": shm})
+        if r is None:
+            return [None] * len(keys)
+        reply, payload = r
+        views = iter(split_payload(payload, [n for n in reply["lens"] if n >= 0]))
+        values: list[bytes | None] = []
+        retry = []
+        for i, (loc, n) in enumerate(zip(reply["locs"], reply["lens"])):
+            if n >= 0:
+                values.append(bytes(next(views)))
+            elif loc is not None:
+                v = s.reader.read_bytes(loc[0], loc[2], loc[1])  # zero-copy path: straight from the arena
+                if v is None:
+                    retry.append(i)  # evicted or replaced while we copied: ask over TCP
+                values.append(v)
+            else:
+                values.append(None)
+        if retry:
+            r = self._call(sid, {"op": "get_many", "keys": [keys[i] for i in retry], "shm": False})
+            if r is not None:
+                reply, payload = r
+                views = iter(split_payload(payload, [n for n in reply["lens"] if n >= 0]))
+                for i, n in zip(retry, reply["lens"]):
+                    values[i] = bytes(next(views)) if n >= 0 else None
+        return values
+
+    # -- admin ------------------------------------------------------------------------------------
+    def stats(self) -> dict[str, dict]:
+        self.refresh_view(force=True)
+        out = {}
+        for sid in self.view.members:
+            r = self._call(sid, {"op": "stats"})
+            if r is not None:
+                out[sid] = r[0]
+        return out
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+        with self._lock:
+            for s in self._servers.values():
+                s.close()
+            self._servers.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

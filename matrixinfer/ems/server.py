@@ -1,0 +1,238 @@
+"""The MP (memory-pool) server process: serves its shard over TCP and shared memory.
+
+It registers with the controller, heartbeats, learns namespace quotas from it, and answers
+clients directly: the controller never sees data.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+
+from .arena import Arena
+from .config import ServerConfig
+from .protocol import EMSError, RPCServer, call_once, drain, recv_exact_into, wire_key
+from .shard import Quota, Shard
+from .ssd import SegmentLog
+
+MAX_BATCH = 4096
+
+
+def boot_id() -> str:
+    """Identifies this kernel boot; same boot id + same hostname = same host = shared memory works."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return socket.gethostname() + "/" + f.read().strip()
+    except OSError:
+        return socket.gethostname()
+
+
+def server_id_for(cfg: ServerConfig) -> str:
+    """Stable id (so a restarted server takes back its ring slot): stored in the SSD dir."""
+    path = os.path.join(cfg.ssd_dir, "SERVER_ID")
+    if cfg.server_id:
+        sid = cfg.server_id
+    elif os.path.exists(path):
+        with open(path) as f:
+            return f.read().strip()
+    else:
+        sid = "mp-" + hashlib.sha1(os.path.abspath(cfg.ssd_dir).encode()).hexdigest()[:10]
+    with open(path, "w") as f:
+        f.write(sid)
+    return sid
+
+
+def _ns(header: dict) -> str:
+    ns = header.get("ns")
+    if not isinstance(ns, str) or not ns or len(ns) > 255:
+        raise EMSError("namespace must be a non-empty string of at most 255 characters")
+    return ns
+
+
+def _keys(header: dict) -> list[str]:
+    keys = header.get("keys")
+    if not isinstance(keys, list) or len(keys) > MAX_BATCH:
+        raise EMSError(f"keys must be a list of at most {MAX_BATCH}")
+    return [wire_key(k) for k in keys]
+
+
+class MPServer:
+    def __init__(self, cfg: ServerConfig):
+        self.cfg = cfg
+        os.makedirs(cfg.ssd_dir, exist_ok=True)
+        self.id = server_id_for(cfg)
+        for stale in glob.glob(os.path.join(cfg.shm_dir, f"mi-ems-{self.id}-*")):
+            os.unlink(stale)  # left by a killed predecessor with our id
+        self.shm_path = os.path.join(cfg.shm_dir, f"mi-ems-{self.id}-{os.getpid()}")
+        self.arena = Arena(cfg.dram_bytes, self.shm_path)
+        self.shard = Shard(self.arena, SegmentLog(cfg.ssd_dir, cfg.segment_bytes, cfg.fsync))
+        self.rpc = RPCServer(cfg.host, cfg.port, self.handle)
+        self.n_servers = 1
+        self.ns_version = -1
+        self._stop = threading.Event()
+
+    # -- request handling ------------------------------------------------------------------------
+    def handle(self, h: dict, plen: int, sock: socket.socket):
+        op = h.get("op")
+        fn = getattr(self, f"op_{op}", None) if isinstance(op, str) else None
+        if fn is None:
+            drain(sock, plen)
+            raise EMSError(f"unknown op {op!r}")
+        if op not in ("put", "put_many") and plen:
+            drain(sock, plen)
+            raise EMSError(f"op {op!r} takes no payload")
+        return fn(h, plen, sock)
+
+    def _recv_put(self, ns: str, key: str, length: int, sock: socket.socket) -> None:
+        try:
+            blk = self.shard.begin_put(ns, key, length)
+        except EMSError:
+            drain(sock, length)
+            raise
+        try:
+            recv_exact_into(sock, self.arena.data(blk.off, length))
+        except BaseException:
+            self.shard.abort_put(blk)
+            raise
+        self.shard.commit_put(ns, key, blk)
+
+    def op_put(self, h, plen, sock):
+        ns, key = _ns(h), wire_key(h.get("key", ""))
+        self._recv_put(ns, key, plen, sock)
+        return {"ok": True}, []
+
+    def op_put_many(self, h, plen, sock):
+        ns, keys, lens = _ns(h), _keys(h), h.get("lens")
+        if not isinstance(lens, list) or len(lens) != len(keys) or sum(lens) != plen or min(lens, default=0) < 0:
+            drain(sock, plen)
+            raise EMSError("put_many: lens must match keys and the payload")
+        stored = []
+        for key, n in zip(keys, lens):
+            try:
+                self._recv_put(ns, key, n, sock)
+                stored.append(True)
+            except EMSError:
+                stored.append(False)  # payload drained; carry on with the rest
+        return {"ok": True, "stored": stored}, []
+
+    def _read(self, ns: str, keys: list[str], shm: bool):
+        """Per key: a location in the arena (same host) or a view to stream (TCP)."""
+        locs, lens, views, pinned = [], [], [], []
+        for key in keys:
+            hit = self.shard.lookup(ns, key, pin=not shm)
+            if hit is None:
+                locs.append(None)
+                lens.append(-1)
+                continue
+            blk, view = hit
+            if shm and blk is not None:
+                locs.append([blk.off, blk.length, blk.token])
+                lens.append(-1)
+                continue
+            locs.append(None)
+            lens.append(len(view))
+            views.append(view)
+            if blk is not None and not shm:
+                pinned.append(blk)
+
+        def done():
+            for b in pinned:
+                self.shard.unpin(b)
+
+        return locs, lens, views, done
+
+    def op_get(self, h, plen, sock):
+        ns, key = _ns(h), wire_key(h.get("key", ""))
+        locs, lens, views, done = self._read(ns, [key], bool(h.get("shm")))
+        return {"ok": True, "loc": locs[0], "len": lens[0]}, views, done
+
+    def op_get_many(self, h, plen, sock):
+        locs, lens, views, done = self._read(_ns(h), _keys(h), bool(h.get("shm")))
+        return {"ok": True, "locs": locs, "lens": lens}, views, done
+
+    def op_exists(self, h, plen, sock):
+        ns = _ns(h)
+        return {"ok": True, "found": [self.shard.exists(ns, k) for k in _keys(h)]}, []
+
+    def op_delete(self, h, plen, sock):
+        return {"ok": True, "deleted": self.shard.delete(_ns(h), wire_key(h.get("key", "")))}, []
+
+    def op_lease(self, h, plen, sock):
+        ttl = float(h.get("ttl_s", 30.0))
+        got = self.shard.lease(_ns(h), wire_key(h.get("key", "")), ttl, time.monotonic())
+        return {"ok": True, "acquired": got}, []
+
+    def op_info(self, h, plen, sock):
+        return {"ok": True, "id": self.id, "shm": self.shm_path, "boot_id": boot_id(), "pid": os.getpid()}, []
+
+    def op_stats(self, h, plen, sock):
+        return {"ok": True, "id": self.id, **self.shard.stats()}, []
+
+    # -- membership ------------------------------------------------------------------------------
+    def _member(self) -> dict:
+        return {"id": self.id, "host": self.cfg.host, "port": self.rpc.port, "shm": self.shm_path, "boot_id": boot_id()}
+
+    def _apply(self, reply: dict) -> None:
+        self.n_servers = max(1, int(reply.get("n_servers", 1)))
+        if "namespaces" in reply:
+            self.ns_version = reply["ns_version"]
+            q = {name: Quota(v["dram_bytes"] // self.n_servers, v["ssd_bytes"] // self.n_servers) for name, v in reply["namespaces"].items()}
+            self.shard.set_quotas(q)
+
+    def heartbeat_loop(self) -> None:
+        registered = False
+        while not self._stop.is_set():
+            try:
+                op = {"op": "heartbeat", "id": self.id, "ns_version": self.ns_version}
+                if not registered:
+                    op = {"op": "register", **self._member()}
+                reply = call_once(self.cfg.controller, op, timeout_s=2.0)
+                registered = reply.get("known", True)
+                n_before = self.n_servers
+                self._apply(reply)
+                if self.n_servers != n_before:
+                    self.ns_version = -1  # shares changed: ask for the namespaces again
+            except (OSError, EMSError):
+                registered = False  # controller down or restarted: register again when it is back
+            self._stop.wait(self.cfg.heartbeat_s)
+
+    def housekeeping_loop(self) -> None:
+        while not self._stop.wait(5.0):
+            try:
+                self.shard.ssd.compact()
+            except OSError as e:
+                print(f"ems server {self.id}: compaction failed: {e}", file=sys.stderr)
+
+    def serve(self) -> None:
+        threading.Thread(target=self.heartbeat_loop, daemon=True).start()
+        threading.Thread(target=self.housekeeping_loop, daemon=True).start()
+        print(f"READY {self.cfg.host}:{self.rpc.port} id={self.id} recovered={self.shard.ssd.recovered}", flush=True)
+        self.rpc.serve_forever()
+
+    def close(self) -> None:
+        self._stop.set()
+        self.rpc.close()
+        self.shard.ssd.close()
+        self.arena.close()
+
+
+def run_server(cfg: ServerConfig) -> int:
+    server = MPServer(cfg)
+
+    def stop(*_):
+        server.close()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        server.serve()
+    finally:
+        if not server._stop.is_set():
+            server.close()
+    return 0
