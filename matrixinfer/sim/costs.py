@@ -1,0 +1,240 @@
+"""Pure cost model: operator rooflines and collective (all-to-all) times.
+
+Every function here takes numbers and specs and returns seconds (or bytes / FLOPs); nothing
+keeps state, so a test can check each against a hand computation.
+
+Roofline of one operator:  t = max(FLOPs / (peak * eff_compute), bytes / (HBM_bw * eff_memory)).
+All-to-all of one device:  t = latency + bytes_out / (plane_bw * eff_link) + peers * per_peer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from matrixinfer.sim.hardware import HardwareSpec, PlaneSpec
+from matrixinfer.sim.modelspec import ModelSpec
+
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
+# Per-token routing metadata sent with a quantized token: SPEC's 7.5 KB INT8 token
+# (7,168 B payload + 4 B scale) leaves 508 B for expert ids, weights and position.
+DISPATCH_METADATA_BYTES = 508
+
+
+@dataclass(frozen=True)
+class Op:
+    """One operator on one device: work (FLOPs) and HBM traffic (bytes) at a precision."""
+
+    name: str
+    flops: float
+    bytes: float
+    precision: str
+    kind: str = "gemm"  # "gemm" (matrix unit, GEMM efficiency) or "attention" (MLA efficiencies)
+
+
+@dataclass(frozen=True)
+class OpTime:
+    compute_s: float
+    memory_s: float
+
+    @property
+    def time_s(self) -> float:
+        return max(self.compute_s, self.memory_s)
+
+
+def op_time(op: Op, hw: HardwareSpec) -> OpTime:
+    eff_c = hw.efficiency.mla_compute if op.kind == "attention" else hw.gemm_efficiency(op.precision)
+    compute = op.flops / (hw.peak_flops(op.precision) * eff_c) if op.flops else 0.0
+    memory = op.bytes / (hw.device.hbm_tb_s * 1e12 * hw.efficiency.mla_memory)
+    return OpTime(compute, memory)
+
+
+# ---------------------------------------------------------------- operators of one layer
+
+def attention_proj_op(model: ModelSpec, tokens: float, precision: str, absorbed: bool) -> Op:
+    """Projections of one attention block (MLA prolog + o_proj) for `tokens` tokens.
+
+    Decode uses the weight-absorbed form: kv_b is split into W_UK (folded into the query)
+    and W_UV (applied to the attention output), so the same weights are read either way.
+    Prefill (absorbed=False) runs kv_b on every token's latent, the same parameter count.
+    """
+    params = model.attention_params()
+    w_bytes = params * BYTES[precision]
+    act_bytes = tokens * model.hidden * BYTES["bf16"] * 4  # in/out of the fused prolog and o_proj
+    return Op("attention_proj", 2.0 * tokens * params, w_bytes + act_bytes, precision)
+
+
+def attention_core_flops_per_query_pos(model: ModelSpec, absorbed: bool) -> float:
+    """FLOPs for one query token attending to one cached position, all heads.
+
+    Absorbed MLA (decode): scores over the 576-wide latent (512 + 64), values over 512.
+    Expanded MLA / GQA (prefill): scores over qk_nope + rope, values over v_dim.
+    """
+    if model.is_mla and absorbed:
+        return 2.0 * model.heads * (model.kv_lora_rank + model.qk_rope_dim + model.kv_lora_rank)
+    return 2.0 * model.heads * (model.qk_dim + model.v_dim)
+
+
+def attention_core_op(model: ModelSpec, query_pos_pairs: float, kv_tokens_read: float,
+                      kv_precision: str, absorbed: bool) -> Op:
+    """FlashAttention-style core: `query_pos_pairs` (query, cached position) pairs of work,
+    `kv_tokens_read` cached tokens read from HBM once."""
+    flops = attention_core_flops_per_query_pos(model, absorbed) * query_pos_pairs
+    kv_bytes = kv_tokens_read * model.kv_elems_per_token_layer() * BYTES[kv_precision]
+    return Op("attention_core", flops, kv_bytes, "bf16", kind="attention")
+
+
+def causal_pairs(prompt_len: float, cached: float = 0.0) -> float:
+    """Sum of attended positions for new tokens cached+1..prompt_len of one prompt."""
+    return (prompt_len * (prompt_len + 1) - cached * (cached + 1)) / 2.0
+
+
+def expert_op(model: ModelSpec, tokens: float, experts: float, precision: str) -> Op:
+    """Grouped expert GEMMs on one device: `tokens` token-expert pairs over `experts` experts."""
+    p = model.expert_params()
+    return Op("experts", 2.0 * tokens * p, experts * p * BYTES[precision] + tokens * model.hidden * 4, precision)
+
+
+def gate_op(model: ModelSpec, tokens: float) -> Op:
+    p = model.hidden * model.routed_experts
+    return Op("gate", 2.0 * tokens * p, p * BYTES["bf16"], "bf16")
+
+
+def dense_ffn_op(model: ModelSpec, tokens: float, precision: str) -> Op:
+    p = model.dense_ffn_params()
+    return Op("dense_ffn", 2.0 * tokens * p, p * BYTES[precision] + tokens * model.hidden * 4, precision)
+
+
+def lm_head_op(model: ModelSpec, tokens: float) -> Op:
+    p = model.vocab * model.hidden
+    return Op("lm_head", 2.0 * tokens * p, p * BYTES["bf16"], "bf16")
+
+
+# ---------------------------------------------------------------- expert-parallel traffic
+
+def token_bytes(hidden: int, precision: str) -> float:
+    """Bytes of one token on the wire. Quantized tokens carry a scale and routing metadata
+    (INT8: one fp32 scale per token; FP8: one per 128 channels, as DeepEP)."""
+    if precision == "int8":
+        return hidden + 4 + DISPATCH_METADATA_BYTES
+    if precision == "fp8":
+        return hidden + 4 * math.ceil(hidden / 128) + DISPATCH_METADATA_BYTES
+    return hidden * BYTES[precision]
+
+
+def expected_distinct_ranks(top_k: int, experts: int, ranks: int) -> float:
+    """Expected number of distinct ranks a token's top-k experts live on, experts spread
+    evenly over `ranks` and chosen uniformly: ranks * (1 - C(E - E/r, k) / C(E, k))."""
+    if ranks >= experts:
+        return float(top_k)
+    per_rank = experts // ranks
+    miss = math.comb(experts - per_rank, top_k) / math.comb(experts, top_k)
+    return ranks * (1.0 - miss)
+
+
+def all_to_all_time(bytes_out: float, peers: float, plane: PlaneSpec, link_eff: float) -> float:
+    """One device's side of an all-to-all on one plane (seconds)."""
+    if bytes_out <= 0:
+        return 0.0
+    return plane.latency_us * 1e-6 + bytes_out / (plane.gb_s * 1e9 * link_eff) + peers * plane.per_peer_us * 1e-6
+
+
+@dataclass(frozen=True)
+class EPComm:
+    dispatch_s: float
+    combine_s: float
+    dispatch_bytes: float
+    combine_bytes: float
+
+
+def ep_comm(hw: HardwareSpec, model: ModelSpec, tokens: float, ep: int, dispatch_precision: str,
+            combine_precision: str = "bf16", extra_dests: float = 0.0, plane: str | None = None,
+            hierarchical: bool = False) -> EPComm:
+    """Dispatch and combine of `tokens` tokens per device over an EP group of `ep` devices.
+
+    Each token goes once to every distinct rank holding one of its top-k experts (plus
+    `extra_dests`, e.g. a shared expert on another device); a fraction 1/ep stays local.
+    Combine sends the expert outputs back along the same routes.
+    `hierarchical` (GPU clusters, DeepEP normal kernels): inter-node traffic is sent once
+    per destination node over RDMA and forwarded over NVLink; time is the slower plane.
+    """
+    routed_slots = ep
+    dests = expected_distinct_ranks(model.top_k, model.routed_experts, routed_slots) + extra_dests
+    remote = (ep - 1) / ep
+    peers = min(ep - 1, tokens * dests)
+    d_tok, c_tok = token_bytes(model.hidden, dispatch_precision), token_bytes(model.hidden, combine_precision)
+    eff = hw.efficiency.link
+    if hierarchical and ep > hw.scale_up.domain:
+        node = hw.scale_up.domain
+        nodes = ep // node
+        node_dests = expected_distinct_ranks(model.top_k, model.routed_experts, nodes) * (nodes - 1) / nodes
+        rdma = hw.scale_out
+        nvl = hw.scale_up
+        times = []
+        for tok in (d_tok, c_tok):
+            t_rdma = all_to_all_time(tokens * node_dests * tok, nodes - 1, rdma, eff)
+            t_nvl = all_to_all_time(tokens * dests * remote * tok, node - 1, nvl, eff)
+            times.append(max(t_rdma, t_nvl))
+        return EPComm(times[0], times[1], tokens * node_dests * d_tok, tokens * node_dests * c_tok)
+    p = hw.plane(plane or hw.ep_decode_plane)
+    d_bytes, c_bytes = tokens * dests * remote * d_tok, tokens * dests * remote * c_tok
+    return EPComm(all_to_all_time(d_bytes, peers, p, eff), all_to_all_time(c_bytes, peers, p, eff), d_bytes, c_bytes)
+
+
+# ---------------------------------------------------------------- expert load balance
+
+def eplb_slot_loads(expert_loads: list[float], slots: int) -> list[float]:
+    """EPLB model: give `slots - len(expert_loads)` redundant replicas, one at a time, to the
+    expert whose per-replica load is highest; replicas of an expert split its load evenly.
+    Returns the load of every slot (one slot = one device holding one expert copy)."""
+    n = len(expert_loads)
+    if slots < n:
+        raise ValueError(f"need at least one slot per expert ({n}), got {slots}")
+    copies = [1] * n
+    for _ in range(slots - n):
+        hot = max(range(n), key=lambda e: expert_loads[e] / copies[e])
+        copies[hot] += 1
+    return [expert_loads[e] / copies[e] for e in range(n) for _ in range(copies[e])]
+
+
+def eplb_imbalance(expert_loads: list[float], slots: int) -> float:
+    """Max slot load over mean slot load after EPLB replication (1.0 = perfect balance)."""
+    loads = eplb_slot_loads(expert_loads, slots)
+    return max(loads) / (sum(loads) / len(loads))
+
+
+def zipf_loads(experts: int, skew: float) -> list[float]:
+    """Expert popularity  ~ 1 / rank^skew  (skew 0 = uniform), summing to 1."""
+    w = [1.0 / (r + 1) ** skew for r in range(experts)]
+    s = sum(w)
+    return [x / s for x in w]
+
+
+# ---------------------------------------------------------------- microbatch overlap
+
+def overlapped_time(path_a: OpTimes, path_b: OpTimes, overlap: float) -> float:
+    """Time of one slot in which path A (attention of one microbatch) runs beside path B
+    (MoE of the other) on the same device.
+
+    Ideal: the longer path, but never less than the shared compute or HBM resource needs
+    (both streams use the same cores and memory). Serial: A + B. `overlap` in [0, 1] is the
+    fraction of the gap between serial and ideal that the two-stream pipeline recovers.
+    """
+    serial = path_a.time_s + path_b.time_s
+    ideal = max(path_a.time_s, path_b.time_s, path_a.compute_s + path_b.compute_s,
+                path_a.memory_s + path_b.memory_s)
+    return ideal + (1.0 - overlap) * (serial - ideal)
+
+
+@dataclass(frozen=True)
+class OpTimes:
+    """Sum over a sequence of operators (plus communication, which uses neither resource)."""
+
+    time_s: float  # sum of per-op rooflines + comm
+    compute_s: float
+    memory_s: float
+
+    @staticmethod
+    def of(ops: list[Op], hw: HardwareSpec, comm_s: float = 0.0) -> "OpTimes":
+        ts = [op_time(o, hw) for o in ops]
+        return OpTimes(sum(t.time_s for t in ts) + comm_s, sum(t.compute_s for t in ts), sum(t.memory_s for t in ts))
