@@ -75,6 +75,8 @@ class MPServer:
         self.rpc = RPCServer(cfg.host, cfg.port, self.handle)
         self.n_servers = 1
         self.ns_version = -1
+        self._ns_asked: dict[str, float] = {}
+        self.shard.on_unknown_namespace = self._fetch_namespace
         self._stop = threading.Event()
 
     # -- request handling ------------------------------------------------------------------------
@@ -184,6 +186,23 @@ class MPServer:
             self.ns_version = reply["ns_version"]
             q = {name: Quota(v["dram_bytes"] // self.n_servers, v["ssd_bytes"] // self.n_servers) for name, v in reply["namespaces"].items()}
             self.shard.set_quotas(q)
+
+    def _fetch_namespace(self, ns: str) -> Quota | None:
+        """Called with the shard lock held, so ask at most once a second per namespace."""
+        now = time.monotonic()
+        if now - self._ns_asked.get(ns, -10.0) < 1.0:
+            return None
+        self._ns_asked[ns] = now
+        try:
+            reply = call_once(self.cfg.controller, {"op": "ns_list"}, timeout_s=1.0)
+        except (OSError, EMSError):
+            return None
+        v = reply["namespaces"].get(ns)
+        if v is None:
+            return None
+        q = Quota(v["dram_bytes"] // self.n_servers, v["ssd_bytes"] // self.n_servers)
+        self.shard.quotas = {**self.shard.quotas, ns: q}
+        return q
 
     def heartbeat_loop(self) -> None:
         registered = False

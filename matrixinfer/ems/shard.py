@@ -63,6 +63,7 @@ class Shard:
         self.quotas: dict[str, Quota] = {}
         self.n = Counters()
         self.leases: dict[tuple[str, str], float] = {}
+        self.on_unknown_namespace = None  # set by the server: fetch quotas from the controller
 
     # -- quotas -------------------------------------------------------------------------------
     def set_quotas(self, quotas: dict[str, Quota]) -> None:
@@ -70,7 +71,10 @@ class Shard:
             self.quotas = dict(quotas)
 
     def quota(self, ns: str) -> Quota:
-        return self.quotas.get(ns, Quota())
+        q = self.quotas.get(ns)
+        if q is None and self.on_unknown_namespace is not None:
+            q = self.on_unknown_namespace(ns)  # created after our last heartbeat
+        return q or Quota()
 
     # -- DRAM bookkeeping (caller holds self.lock) ------------------------------------------------
     def _touch(self, ns: str, key: str) -> None:

@@ -1,0 +1,122 @@
+"""Put/get through real MP server processes: paths, buffers, namespaces, quotas, bad input."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from matrixinfer.ems import EMSClient, EMSError
+
+
+def test_roundtrip_over_shared_memory_and_tcp(pool, client_factory):
+    """Values of 0 B..4 MiB come back byte-exact on the same-host (shm) path and the TCP path."""
+    shm, tcp = client_factory(pool, "rt"), client_factory(pool, "rt", zero_copy=False)
+    assert all(s.reader is not None for s in (shm._server(i) for i in shm.view.members))
+    vals = {f"v{n}": os.urandom(n) for n in (0, 1, 100, 65536, 1 << 20, 4 << 20)}
+    assert shm.put_many(vals) == [True] * len(vals)
+    for c in (shm, tcp):
+        assert c.get_many(list(vals)) == list(vals.values())
+        assert all(c.get(k) == v for k, v in vals.items())
+
+
+def test_batches_reach_every_server(pool, client_factory):
+    """put_many/get_many spread keys over both servers and return results in key order."""
+    c = client_factory(pool, "batch")
+    vals = {f"b{i}": os.urandom(1000 + i) for i in range(64)}
+    assert all(c.put_many(vals))
+    assert c.get_many([*vals, "absent"]) == [*vals.values(), None]
+    owners = {c.view.owner("batch", k) for k in vals}
+    assert len(owners) == 2
+    counts = [s["counters"]["puts"] for s in c.stats().values()]
+    assert all(n > 0 for n in counts)
+
+
+def test_buffer_protocol_values_are_stored_without_conversion(pool, client_factory):
+    """Tensors and numpy arrays are stored from their buffers; get_into fills a tensor in place."""
+    c = client_factory(pool, "buf")
+    t = torch.arange(1000, dtype=torch.float32)
+    a = np.arange(500, dtype=np.int16)
+    assert c.put("tensor", t) and c.put("array", a)
+    out = torch.empty(1000, dtype=torch.float32)
+    assert c.get_into("tensor", out) == 4000 and torch.equal(out, t)
+    assert np.array_equal(np.frombuffer(c.get("array"), dtype=np.int16), a)
+
+
+def test_overwrite_replaces_and_delete_removes(pool, client_factory):
+    """A second put of a key is what get returns; after delete, exists is False and get None."""
+    c = client_factory(pool, "ow")
+    c.put("k", b"one")
+    c.put("k", b"two")
+    assert c.get("k") == b"two"
+    assert c.exists(["k", "nope"]) == [True, False]
+    assert c.delete("k") and c.get("k") is None and c.exists("k") is False
+    assert c.delete("k") is False
+
+
+def test_namespaces_are_isolated(pool, client_factory):
+    """The same key in two namespaces holds two values; deleting one leaves the other."""
+    a, b = client_factory(pool, "tenant-a"), client_factory(pool, "tenant-b")
+    a.put("shared-name", b"A")
+    assert b.get("shared-name") is None and b.exists(["shared-name"]) == [False]
+    b.put("shared-name", b"B")
+    a.delete("shared-name")
+    assert a.get("shared-name") is None and b.get("shared-name") == b"B"
+
+
+def test_str_and_bytes_keys_name_the_same_object(pool, client_factory):
+    """Keys are bytes on the wire: 'k' and b'k' are one key; non-UTF-8 bytes keys work."""
+    c = client_factory(pool, "keys")
+    c.put("ké", b"1")
+    assert c.get("ké".encode()) == b"1"
+    c.put(b"\xff\x00raw", b"2")
+    assert c.get(b"\xff\x00raw") == b"2"
+
+
+def test_bad_input_raises_clear_errors(pool, client_factory):
+    """Wrong types and impossible sizes raise EMSError naming the problem."""
+    c = client_factory(pool, "bad")
+    with pytest.raises(EMSError, match="buffer protocol"):
+        c.put("k", 12)
+    with pytest.raises(EMSError, match="key must"):
+        c.put(3, b"x")
+    with pytest.raises(EMSError, match="empty"):
+        c.get("")
+    with pytest.raises(EMSError, match="does not fit"):
+        c.put("huge", bytearray(40 << 20))  # arena is 32 MiB
+    with pytest.raises(EMSError, match="HOST:PORT"):
+        EMSClient("localhost", "x")
+    with pytest.raises(EMSError, match="positive"):
+        c.create_namespace("q", dram_bytes=-1)
+
+
+@pytest.mark.pool(n_servers=1, dram_bytes=8 << 20)
+def test_namespace_quota_evicts_only_inside_that_namespace(fresh_pool, client_factory):
+    """A tenant over its DRAM share evicts its own LRU objects (still on SSD); over its SSD
+    share it loses its own oldest objects; the other tenant keeps everything."""
+    small = client_factory(fresh_pool, "small", dram_bytes=1 << 20, ssd_bytes=2 << 20)
+    other = client_factory(fresh_pool, "other")
+    theirs = {f"o{i}": os.urandom(100_000) for i in range(20)}
+    assert all(other.put_many(theirs))
+    mine = {f"s{i}": os.urandom(200_000) for i in range(20)}  # 4 MB > 2 MB SSD > 1 MB DRAM
+    for k, v in mine.items():
+        assert small.put(k, v)
+    st = next(iter(small.stats().values()))
+    assert st["ns_dram_bytes"]["small"] <= 1 << 20
+    assert st["ns_ssd_bytes"]["small"] <= 2 << 20
+    assert st["counters"]["evictions_dram"] > 0 and st["counters"]["evictions_ssd"] > 0
+    got = small.get_many(list(mine))
+    assert got[0] is None and got[-1] == mine["s19"]  # oldest gone, newest kept
+    assert all(g is None or g == mine[k] for g, k in zip(got, mine))
+    assert other.get_many(list(theirs)) == list(theirs.values())
+
+
+@pytest.mark.pool(n_servers=1, dram_bytes=2 << 20)
+def test_dram_eviction_falls_back_to_ssd_and_promotes(fresh_pool, client_factory):
+    """Writing 4x the arena keeps every value readable: evicted ones come back from SSD."""
+    c = client_factory(fresh_pool, "spill")
+    vals = {f"k{i}": os.urandom(256_000) for i in range(32)}
+    assert all(c.put(k, v) for k, v in vals.items())
+    assert c.get_many(list(vals)) == list(vals.values())
+    n = next(iter(c.stats().values()))["counters"]
+    assert n["evictions_dram"] > 0 and n["hits_ssd"] > 0
