@@ -41,7 +41,17 @@ def _server(args) -> int:
 def _model_load(args) -> int:
     from .model_cache import load_model_cli
 
+    if not args.model and not args.source:
+        raise SystemExit("model-load needs --model DIR or --source HOST:PORT")
+    if not args.direct and not args.controller:
+        raise SystemExit("model-load needs --controller HOST:PORT (or --direct)")
     return load_model_cli(args)
+
+
+def _source(args) -> int:
+    from .model_cache import run_source_server
+
+    return run_source_server(args.model, args.bandwidth_mbps * 1e6, args.port)
 
 
 def _stats(args) -> int:
@@ -81,11 +91,19 @@ def register(sub, bench_sub) -> None:
     p.set_defaults(func=_server)
 
     p = ems_sub.add_parser("model-load", help="load a checkpoint through the EMS model cache")
-    p.add_argument("--controller", required=True)
-    p.add_argument("--model", required=True, help="directory with *.safetensors")
+    p.add_argument("--controller", help="HOST:PORT of the EMS controller (not needed with --direct)")
+    p.add_argument("--model", default="", help="directory with *.safetensors (the source)")
+    p.add_argument("--source", default=None, help="HOST:PORT of an `ems source` server instead of --model")
     p.add_argument("--namespace", default="model-cache")
-    p.add_argument("--bandwidth-mbps", type=float, default=0.0, help="throttle reads of the source (0 = unthrottled)")
+    p.add_argument("--bandwidth-mbps", type=float, default=0.0, help="throttle reads of --model (MB/s; 0 = unthrottled)")
+    p.add_argument("--direct", action="store_true", help="baseline: read everything from the source, bypass EMS")
     p.set_defaults(func=_model_load)
+
+    p = ems_sub.add_parser("source", help="serve a checkpoint directory at a capped bandwidth (object-storage stand-in)")
+    p.add_argument("--model", required=True)
+    p.add_argument("--bandwidth-mbps", type=float, default=200.0)
+    p.add_argument("--port", type=int, default=0)
+    p.set_defaults(func=_source)
 
     p = ems_sub.add_parser("stats", help="print every MP server's stats")
     p.add_argument("--controller", required=True)

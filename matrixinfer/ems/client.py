@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from .arena import ArenaReader
 from .config import ClientConfig
-from .protocol import Connection, EMSError, as_buffer, call_once, parse_addr, split_payload, wire_key
+from .protocol import Connection, EMSError, as_buffer, call_once, drain, parse_addr, recv_exact_into, split_payload, wire_key
 from .server import boot_id
 from .view import ClusterView, Member
 
@@ -118,15 +118,41 @@ class EMSClient:
         return self.get_many([key])[0]
 
     def get_into(self, key: str | bytes, out) -> int | None:
-        """Copy the value straight into a writable buffer (e.g. a tensor); its length, or None."""
-        value = self.get(key)  # one copy out of shared memory; a second into `out`
-        if value is None:
+        """Copy the value straight into a writable buffer (e.g. a tensor): one copy, from the
+        server's arena (same host) or the socket. Returns the value's length, or None on a miss."""
+        k, dst = wire_key(key), as_buffer(out)
+        if dst.readonly:
+            raise EMSError("get_into needs a writable buffer")
+        self.refresh_view()
+        sid = self.view.owner(self.ns, k)
+        s = self._server(sid) if sid else None
+        if s is not None and s.reader is not None:
+            r = self._call(sid, {"op": "get", "key": k, "shm": True})
+            if r is None:
+                return None
+            loc, n = r[0]["loc"], r[0]["len"]
+            if loc is None and n < 0:
+                return None
+            if loc is not None:
+                if loc[1] > len(dst):
+                    raise EMSError(f"buffer of {len(dst)} bytes too small for a {loc[1]}-byte value")
+                if s.reader.read_into(loc[0], loc[2], loc[1], dst):
+                    return loc[1]
+            # replaced under us or not in DRAM: fall through to the TCP path
+
+        def into(reply, plen, sock):
+            if plen > len(dst):
+                drain(sock, plen)
+                return -plen
+            recv_exact_into(sock, dst[:plen])
+            return plen
+
+        r = self._call(sid, {"op": "get", "key": k, "shm": False}, into=into)
+        if r is None or r[0]["len"] < 0:
             return None
-        dst = as_buffer(out)
-        if len(dst) < len(value):
-            raise EMSError(f"buffer of {len(dst)} bytes too small for a {len(value)}-byte value")
-        dst[: len(value)] = value
-        return len(value)
+        if r[1] < 0:
+            raise EMSError(f"buffer of {len(dst)} bytes too small for a {-r[1]}-byte value")
+        return r[1]
 
     def exists(self, keys) -> list[bool] | bool:
         single = isinstance(keys, (str, bytes))
@@ -148,12 +174,13 @@ class EMSClient:
         r = self._call(self.view.owner(self.ns, k), {"op": "delete", "key": k})
         return bool(r and r[0]["deleted"])
 
-    def lease(self, key: str | bytes, ttl_s: float = 30.0) -> bool:
-        """True if the caller should fill this absent key (the others wait for it)."""
+    def lease(self, key: str | bytes, ttl_s: float = 30.0) -> bool | None:
+        """True if the caller should fill this absent key (the others wait for it until it
+        appears or the lease expires); None if its server is unreachable."""
         k = wire_key(key)
         self.refresh_view()
         r = self._call(self.view.owner(self.ns, k), {"op": "lease", "key": k, "ttl_s": ttl_s})
-        return bool(r and r[0]["acquired"])
+        return None if r is None else bool(r[0]["acquired"])
 
     # -- batches ----------------------------------------------------------------------------------
     def put_many(self, items) -> list[bool]:

@@ -242,7 +242,11 @@ class MPServer:
 
 
 def run_server(cfg: ServerConfig) -> int:
-    server = MPServer(cfg)
+    try:
+        server = MPServer(cfg)
+    except (OSError, ValueError) as e:
+        print(f"ems server: cannot start ({cfg.ssd_dir=}, {cfg.dram_bytes=}): {e}", file=sys.stderr)
+        return 2
 
     def stop(*_):
         server.close()
