@@ -50,3 +50,27 @@ def make_checkpoint(path: Path, variant: str, seed: int = 0, **extra):
                 m.e_score_correction_bias.normal_(0, 0.1)
     model.save_pretrained(path)
     return model
+
+
+def make_tokenizer(path: Path, vocab_size: int = 300) -> None:
+    """A byte-level BPE tokenizer (trained on a few lines of Python) with <bos>/<eos>, written
+    as tokenizer.json + tokenizer_config.json like a Hugging Face model directory."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<bos>", "<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    text = ["def add(a, b):\n    return a + b\n", "for i in range(10):\n    print(i)\n",
+            "class Point:\n    def __init__(self, x, y):\n        self.x = x\n"] * 20
+    tok.train_from_iterator(text, trainer)
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<bos>", "eos_token": "<eos>", "add_bos_token": True,
+        "chat_template": "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}<assistant>{% endif %}",
+    }))
