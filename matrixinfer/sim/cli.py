@@ -1,5 +1,367 @@
-"""CLI subcommands of this subsystem (registered by matrixinfer.cli)."""
+"""CLI subcommands of this subsystem (registered by matrixinfer.cli).
+
+matrixinfer simulate decode|prefill|serve|dispatch|allocation|calibrate|paper-tables
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+from dataclasses import asdict
+
+from tqdm import tqdm
+
+from matrixinfer.bench.report import markdown_table
+
+DECODE_PLOT = "docs/img/sim_decode_tpot.png"
+ALLOC_PLOT = "docs/img/sim_allocation.png"
+
+
+def _specs(args):
+    from matrixinfer.sim.hardware import load_hardware
+    from matrixinfer.sim.modelspec import load_model
+
+    return load_hardware(args.hardware), load_model(args.model)
+
+
+def _common(p: argparse.ArgumentParser, default_hw: str = "cloudmatrix384") -> None:
+    p.add_argument("--hardware", default=default_hw, help="bundled name (cloudmatrix384, h800, h100, "
+                   "supernode8192) or a YAML path")
+    p.add_argument("--model", default="deepseek-r1", help="bundled name or a HF config.json path")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+
+
+# ---------------------------------------------------------------- decode
+
+def _decode_cfg(args, batch):
+    from matrixinfer.sim.costs import eplb_imbalance, zipf_loads
+    from matrixinfer.sim.decode import DecodeConfig
+
+    imbalance = args.imbalance
+    if args.expert_skew:
+        _, model = _specs(args)
+        slots = args.ep - (args.shared_devices if args.shared_devices is not None else args.ep // 10)
+        imbalance = eplb_imbalance(zipf_loads(model.routed_experts, args.expert_skew), max(slots, model.routed_experts))
+    return DecodeConfig(batch_per_device=batch, kv_len=args.kv, ep=args.ep, weight_precision=args.precision,
+                        dispatch_precision=args.dispatch_precision or args.precision, mtp_drafts=args.mtp,
+                        mtp_acceptance=args.accept, microbatches=args.microbatches,
+                        shared_expert_devices=args.shared_devices, expert_imbalance=imbalance,
+                        pipelined_mtp=not args.no_pipelined_mtp)
+
+
+def cmd_decode(args) -> int:
+    from matrixinfer.sim.decode import decode_step, layer_paths_us
+
+    hw, model = _specs(args)
+    batches = args.sweep or [args.batch]
+    rows, out = [], []
+    for b in batches:
+        cfg = _decode_cfg(args, b)
+        r = decode_step(hw, model, cfg)
+        out.append({"batch_per_device": b, "step_ms": r.step_ms, "tpot_ms": r.tpot_ms,
+                    "tokens_per_s_per_npu": r.tokens_per_s_per_device, "breakdown_ms": r.breakdown_ms,
+                    "layer_paths_us": layer_paths_us(hw, model, cfg)})
+        rows.append([b, r.step_ms, r.tpot_ms, r.tokens_per_s_per_device, cfg.expert_imbalance])
+    if args.plot:
+        _decode_plot(args.plot)
+    if args.json:
+        print(json.dumps({"hardware": hw.name, "model": model.name, "results": out}, indent=2))
+        return 0
+    print(f"decode on {hw.name}, {model.name}, EP{args.ep}, {args.precision}, KV {args.kv:g}, "
+          f"MTP {args.mtp} @ {args.accept:g}, overlap efficiency {hw.efficiency.overlap:g}\n")
+    print(markdown_table(["batch/device", "step ms", "TPOT ms", "tokens/s per device", "expert imbalance"], rows))
+    paths = out[-1]["layer_paths_us"]
+    print("\none MoE layer, one microbatch (us): " + ", ".join(f"{k} {v:.0f}" for k, v in paths.items()))
+    if args.plot:
+        print(f"\nplot: {args.plot}")
+    return 0
+
+
+def decode_curves(batches=(1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160)) -> dict:
+    from matrixinfer.sim.decode import DecodeConfig, decode_step
+    from matrixinfer.sim.hardware import load_hardware
+    from matrixinfer.sim.modelspec import load_model
+    from matrixinfer.sim.scenarios import H800_DECODE
+
+    model = load_model("deepseek-r1")
+    cm, h8 = load_hardware("cloudmatrix384"), load_hardware("h800")
+    variants = {
+        "CloudMatrix384 EP320 INT8, MTP 1 @ 70 %": (cm, {}),
+        "CloudMatrix384 EP320 INT8, no MTP": (cm, {"mtp_drafts": 0}),
+        "CloudMatrix384 EP320 INT8, one microbatch": (cm, {"microbatches": 1}),
+        "H800 EP128 FP8, MTP 1 @ 70 %": (h8, dict(H800_DECODE)),
+    }
+    curves = {}
+    for label, (hw, kw) in variants.items():
+        pts = []
+        for b in batches:
+            r = decode_step(hw, model, DecodeConfig(batch_per_device=b, kv_len=4096, **kw))
+            pts.append((b, r.tpot_ms, r.tokens_per_s_per_device))
+        curves[label] = pts
+    return curves
+
+
+def _decode_plot(path: str) -> None:
+    from matrixinfer.sim.plots import plot_decode_tradeoff
+
+    plot_decode_tradeoff(decode_curves(), path, marks={"measured (calibration)": (49.4, 1943)})
+
+
+# ---------------------------------------------------------------- prefill
+
+def cmd_prefill(args) -> int:
+    from matrixinfer.sim.prefill import PrefillConfig, prefill_balance, prefill_batch
+
+    hw, model = _specs(args)
+    cfg = PrefillConfig(tokens_per_device=args.tokens, prompt_len=args.prompt, devices=args.devices, ep=args.ep,
+                        attention=args.attention, weight_precision=args.precision,
+                        dispatch_precision=args.precision, cache_hit=args.cache_hit, page_plane=args.page_plane,
+                        hierarchical_ep=hw.scale_up.domain < args.ep)
+    r = prefill_batch(hw, model, cfg)
+    result = {"batch_s": r.batch_s, "kv_load_s": r.kv_load_s, "ttft_s": r.ttft_s,
+              "tokens_per_s_per_npu": r.tokens_per_s_per_device, "breakdown_s": r.breakdown_s}
+    if args.compare_dp:
+        rng = random.Random(args.seed)
+        n = max(1, round(args.tokens * args.devices / args.prompt))
+        lengths = [max(16, min(4 * args.prompt, round(rng.lognormvariate(math.log(args.prompt) - 0.5 * args.sigma**2,
+                                                                          args.sigma)))) for _ in range(n)]
+        bal = prefill_balance(hw, model, lengths, args.devices, weight_precision=args.precision,
+                              dispatch_precision=args.precision)
+        result["dp_vs_sptp"] = asdict(bal) | {"prompts": n, "sigma": args.sigma}
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"prefill on {hw.name}, {model.name}, {args.attention}, {args.devices} devices, EP{args.ep}, "
+          f"{args.tokens} tokens/device of {args.prompt}-token prompts, cache hit {args.cache_hit:g} "
+          f"over {args.page_plane}\n")
+    print(markdown_table(["batch s", "KV load s", "TTFT s", "tokens/s per device"],
+                         [[r.batch_s, r.kv_load_s, r.ttft_s, r.tokens_per_s_per_device]]))
+    if args.compare_dp:
+        b = result["dp_vs_sptp"]
+        print(f"\nmixed lengths (lognormal sigma {args.sigma}): DP {b['dp_s']:.3f} s "
+              f"(balance {b['dp_efficiency']:.2f}) vs SP-TP-SP {b['sptp_s']:.3f} s: {b['speedup']:.2f}x")
+    return 0
+
+
+# ---------------------------------------------------------------- serve (DES)
+
+def cmd_serve(args) -> int:
+    from matrixinfer.sim.serving import CostModelTimes, ServingConfig, load_trace, poisson_requests, simulate
+
+    hw, model = _specs(args)
+    if args.trace:
+        reqs = load_trace(args.trace)
+    else:
+        reqs = poisson_requests(args.rate, args.requests, args.prompt, args.output, seed=args.seed,
+                                prefixes=args.prefixes, prefix_len=args.prefix_len)
+    cfg = ServingConfig(prefill_instances=args.prefill_instances, decode_instances=args.decode_instances,
+                        prefill_devices=args.prefill_devices, decode_devices=args.decode_devices,
+                        max_batch_per_device=args.max_batch, ems_capacity_tokens=args.ems_capacity,
+                        mtp_drafts=args.mtp, mtp_acceptance=args.accept, seed=args.seed,
+                        sample_dt=args.sample_dt)
+    times = CostModelTimes(hw, model, cfg)
+    with tqdm(total=len(reqs), desc="requests", unit="req", disable=args.json) as bar:
+        res = simulate(reqs, cfg, times.prefill_time, times.decode_time, times.kv_bytes_per_token(),
+                       progress=bar.update)
+    s = res.summary()
+    if args.plot:
+        from matrixinfer.sim.plots import plot_utilisation
+
+        plot_utilisation(res.utilisation, args.plot)
+    if args.json:
+        print(json.dumps({"summary": s, "utilisation": res.utilisation}, indent=2))
+        return 0
+    print(f"\nPDC on {hw.name}: {cfg.prefill_instances} prefill x {cfg.prefill_devices} + "
+          f"{cfg.decode_instances} decode x {cfg.decode_devices} devices, {len(reqs)} requests\n")
+    print(markdown_table(list(s), [list(s.values())]))
+    if args.plot:
+        print(f"\nutilisation plot: {args.plot}")
+    return 0
+
+
+# ---------------------------------------------------------------- dispatch / combine
+
+def cmd_dispatch(args) -> int:
+    from matrixinfer.sim.costs import ep_comm
+
+    hw, model = _specs(args)
+    rows, out = [], {}
+    for ep in args.ep:
+        c = ep_comm(hw, model, args.tokens, ep, args.precision, "bf16", plane=hw.ep_decode_plane, dedup_ranks=False)
+        out[ep] = {"dispatch_us": c.dispatch_s * 1e6, "combine_us": c.combine_s * 1e6,
+                   "dispatch_gb_s": c.dispatch_bytes / c.dispatch_s / 1e9, "combine_gb_s": c.combine_bytes / c.combine_s / 1e9}
+        rows.append([ep, *out[ep].values()])
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"dispatch ({args.precision}) / combine (bf16) on {hw.name} over {hw.plane(hw.ep_decode_plane).name}, "
+          f"{args.tokens} tokens per rank, top-{model.top_k}\n")
+    print(markdown_table(["EP", "dispatch us", "combine us", "dispatch GB/s", "combine GB/s"], rows))
+    return 0
+
+
+# ---------------------------------------------------------------- allocation
+
+def cmd_allocation(args) -> int:
+    from matrixinfer.sim.allocation import clos_cost, simulate_allocation
+
+    grid = [(s, m) for s in args.sizes for m in args.means]
+    rates: dict[int, list] = {s: [] for s in args.sizes}
+    for s, m in tqdm(grid, desc="allocation", disable=args.json):
+        r = simulate_allocation(s, m, total_devices=args.total, jobs=args.jobs, window=args.window,
+                                seed=args.seed, contiguous=args.contiguous)
+        rates[s].append((m, r.allocation_rate))
+    clos = [clos_cost(s, l2_radix=args.radix) for s in args.sizes]
+    if args.plot:
+        from matrixinfer.sim.plots import plot_allocation
+
+        plot_allocation(rates, args.plot)
+    if args.json:
+        print(json.dumps({"allocation_rate": {str(s): dict(v) for s, v in rates.items()},
+                          "clos": [asdict(c) for c in clos]}, indent=2))
+        return 0
+    print(markdown_table(["S \\ mean block"] + [f"{m:g}" for m in args.means],
+                         [[s] + [f"{100 * r:.1f} %" for _, r in rates[s]] for s in args.sizes]))
+    print(f"\ntwo-tier Clos, 7 planes, L1 16 down + 16 up, L2 radix {args.radix}:\n")
+    print(markdown_table(["S", "two-tier", "L1 chips", "L2 chips", "switch chips/device", "port use"],
+                         [[c.devices, c.feasible, c.l1_switches, c.l2_switches, c.switches_per_device,
+                           f"{100 * c.port_utilisation:.0f} %"] for c in clos]))
+    if args.plot:
+        print(f"\nplot: {args.plot}")
+    return 0
+
+
+# ---------------------------------------------------------------- calibrate / paper tables
+
+def cmd_calibrate(args) -> int:
+    from matrixinfer.sim.calibration import fit_overlap
+
+    hw, model = _specs(args)
+    f = fit_overlap(hw, model)
+    out = {"overlap": f.overlap, "clipped": f.clipped, "tpot_ms": f.result.tpot_ms,
+           "tokens_per_s_per_npu": f.result.tokens_per_s_per_device, "target_tpot_ms": f.target_tpot_ms,
+           "target_tokens_per_s_per_npu": f.target_tokens_per_s, "in_hardware_file": hw.efficiency.overlap}
+    print(json.dumps(out, indent=2) if args.json else
+          f"fitted overlap efficiency {f.overlap:.4f} (hardware file has {hw.efficiency.overlap:.4f}): "
+          f"TPOT {f.result.tpot_ms:.2f} ms vs {f.target_tpot_ms} measured, "
+          f"{f.result.tokens_per_s_per_device:.0f} tokens/s per NPU vs {f.target_tokens_per_s:.0f}")
+    return 0
+
+
+def cmd_paper_tables(args) -> int:
+    from matrixinfer.sim.scenarios import SCENARIOS, paper_tables
+
+    with tqdm(total=len(SCENARIOS), desc="scenarios", disable=args.json) as bar:
+        tables = paper_tables(progress=lambda _: bar.update())
+    if args.json:
+        print(json.dumps(tables))
+        return 0
+    rows = [[sid, metric, value] for sid, metrics in tables["scenarios"].items() for metric, value in metrics.items()]
+    print(markdown_table(["scenario", "metric", "predicted"], rows))
+    if args.plots:
+        from matrixinfer.sim.plots import plot_allocation  # noqa: F401  (imports matplotlib once)
+
+        _decode_plot(DECODE_PLOT)
+        ns = argparse.Namespace(sizes=[192, 224, 384, 768, 2048, 8192], means=[2, 4, 6, 8, 10.08, 11.28, 14, 18, 24],
+                                total=8192, jobs=20000, window=1, seed=0, contiguous=False, radix=48,
+                                plot=ALLOC_PLOT, json=True)
+        with open("/dev/null", "w") as devnull:
+            import contextlib
+
+            with contextlib.redirect_stdout(devnull):
+                cmd_allocation(ns)
+        print(f"\nplots: {DECODE_PLOT}, {ALLOC_PLOT}")
+    return 0
 
 
 def register(sub, bench_sub) -> None:
-    pass
+    sim = sub.add_parser("simulate", help="CloudMatrix384 / GPU-cluster simulator")
+    ssub = sim.add_subparsers(dest="simulate_command", required=True)
+
+    p = ssub.add_parser("decode", help="decode step time, TPOT and throughput per device")
+    _common(p)
+    p.add_argument("--batch", type=float, default=96, help="sequences per device")
+    p.add_argument("--sweep", type=float, nargs="*", help="several batch sizes instead of --batch")
+    p.add_argument("--kv", type=float, default=4096, help="KV length per sequence")
+    p.add_argument("--ep", type=int, default=320)
+    p.add_argument("--precision", default="int8", help="weights/GEMMs: int8, fp8, bf16")
+    p.add_argument("--dispatch-precision", default=None, help="dispatch tokens (default: --precision)")
+    p.add_argument("--mtp", type=int, default=1, help="MTP draft tokens (0 = off)")
+    p.add_argument("--accept", type=float, default=0.7, help="MTP acceptance rate per draft")
+    p.add_argument("--microbatches", type=int, default=2)
+    p.add_argument("--shared-devices", type=int, default=None,
+                   help="devices with shared-expert replicas (0 = local; default: a tenth of EP if room)")
+    p.add_argument("--imbalance", type=float, default=1.0, help="busiest expert device / mean")
+    p.add_argument("--expert-skew", type=float, default=0.0,
+                   help="Zipf skew of expert popularity; EPLB places the redundant slots (overrides --imbalance)")
+    p.add_argument("--no-pipelined-mtp", action="store_true", help="add a host sync per MTP graph launch")
+    p.add_argument("--plot", help=f"write the throughput-vs-TPOT figure (e.g. {DECODE_PLOT})")
+    p.set_defaults(func=cmd_decode)
+
+    p = ssub.add_parser("prefill", help="prefill batch time and throughput; SP-TP-SP vs DP; context cache")
+    _common(p)
+    p.add_argument("--tokens", type=float, default=16384, help="prompt tokens per device per batch")
+    p.add_argument("--prompt", type=float, default=4096)
+    p.add_argument("--devices", type=int, default=32)
+    p.add_argument("--ep", type=int, default=32)
+    p.add_argument("--attention", choices=["sp-tp-sp", "dp"], default="sp-tp-sp")
+    p.add_argument("--precision", default="int8")
+    p.add_argument("--cache-hit", type=float, default=0.0, help="fraction of prompt tokens in EMS")
+    p.add_argument("--page-plane", choices=["ub", "vpc"], default="ub")
+    p.add_argument("--compare-dp", action="store_true", help="DP vs SP-TP-SP on lognormal prompt lengths")
+    p.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma of prompt lengths")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_prefill)
+
+    p = ssub.add_parser("serve", help="discrete-event simulation of the PDC system")
+    _common(p)
+    p.add_argument("--rate", type=float, default=20.0, help="Poisson arrivals per second")
+    p.add_argument("--requests", type=int, default=2000)
+    p.add_argument("--prompt", type=int, default=2048)
+    p.add_argument("--output", type=int, default=256)
+    p.add_argument("--trace", help="CSV arrival,prompt_len,output_len[,prefix_id,prefix_len]")
+    p.add_argument("--prefixes", type=int, default=0, help="distinct shared prefixes (0 = none)")
+    p.add_argument("--prefix-len", type=int, default=0)
+    p.add_argument("--ems-capacity", type=int, default=0, help="context-cache capacity in tokens (0 = off)")
+    p.add_argument("--prefill-instances", type=int, default=6)
+    p.add_argument("--prefill-devices", type=int, default=32)
+    p.add_argument("--decode-instances", type=int, default=1)
+    p.add_argument("--decode-devices", type=int, default=320)
+    p.add_argument("--max-batch", type=int, default=96, help="sequences per decode device")
+    p.add_argument("--mtp", type=int, default=1)
+    p.add_argument("--accept", type=float, default=0.7)
+    p.add_argument("--sample-dt", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plot", help="write utilisation over time to this PNG")
+    p.set_defaults(func=cmd_serve)
+
+    p = ssub.add_parser("dispatch", help="MoE dispatch/combine latency against EP size")
+    _common(p)
+    p.add_argument("--ep", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256])
+    p.add_argument("--tokens", type=int, default=128, help="tokens per rank")
+    p.add_argument("--precision", default="int8", help="dispatch precision (combine is bf16)")
+    p.set_defaults(func=cmd_dispatch)
+
+    p = ssub.add_parser("allocation", help="NPU allocation rate vs mean block size; Clos cost")
+    p.add_argument("--sizes", type=int, nargs="+", default=[192, 224, 384, 768, 2048, 8192])
+    p.add_argument("--means", type=float, nargs="+", default=[2, 4, 6, 8, 10.08, 11.28, 14, 18, 24])
+    p.add_argument("--total", type=int, default=8192, help="devices in the whole cluster")
+    p.add_argument("--jobs", type=int, default=20000, help="job completions simulated per point")
+    p.add_argument("--window", type=int, default=1, help="waiting jobs the scheduler may pick from (1 = FIFO)")
+    p.add_argument("--contiguous", action="store_true", help="blocks need contiguous device addresses")
+    p.add_argument("--radix", type=int, default=48, help="L2 switch radix")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plot", help=f"write the figure (e.g. {ALLOC_PLOT})")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_allocation)
+
+    p = ssub.add_parser("calibrate", help="fit the overlap efficiency to the measured decode point")
+    _common(p)
+    p.set_defaults(func=cmd_calibrate)
+
+    p = ssub.add_parser("paper-tables", help="predictions for the paper's scenarios")
+    p.add_argument("--json", action="store_true", help='print {"scenarios": {id: {metric: value}}}')
+    p.add_argument("--plots", action="store_true", help=f"also write {DECODE_PLOT} and {ALLOC_PLOT}")
+    p.set_defaults(func=cmd_paper_tables)

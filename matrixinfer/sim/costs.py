@@ -149,17 +149,19 @@ class EPComm:
 
 def ep_comm(hw: HardwareSpec, model: ModelSpec, tokens: float, ep: int, dispatch_precision: str,
             combine_precision: str = "bf16", extra_dests: float = 0.0, plane: str | None = None,
-            hierarchical: bool = False) -> EPComm:
+            hierarchical: bool = False, dedup_ranks: bool = True) -> EPComm:
     """Dispatch and combine of `tokens` tokens per device over an EP group of `ep` devices.
 
     Each token goes once to every distinct rank holding one of its top-k experts (plus
     `extra_dests`, e.g. a shared expert on another device); a fraction 1/ep stays local.
+    Low-latency kernels (DeepEP LL, CloudMatrix FusedDispatch) write one copy per selected
+    expert instead (`dedup_ranks=False`): top_k copies per token.
     Combine sends the expert outputs back along the same routes.
     `hierarchical` (GPU clusters, DeepEP normal kernels): inter-node traffic is sent once
     per destination node over RDMA and forwarded over NVLink; time is the slower plane.
     """
-    routed_slots = ep
-    dests = expected_distinct_ranks(model.top_k, model.routed_experts, routed_slots) + extra_dests
+    routed = expected_distinct_ranks(model.top_k, model.routed_experts, ep) if dedup_ranks else model.top_k
+    dests = routed + extra_dests
     remote = (ep - 1) / ep
     peers = min(ep - 1, tokens * dests)
     d_tok, c_tok = token_bytes(model.hidden, dispatch_precision), token_bytes(model.hidden, combine_precision)

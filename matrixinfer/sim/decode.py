@@ -32,7 +32,8 @@ class DecodeConfig:
     mtp_drafts: int = 1
     mtp_acceptance: float = 0.7
     microbatches: int = 2
-    shared_expert_devices: int = 32  # devices holding shared-expert replicas; 0 = computed locally
+    shared_expert_devices: int | None = None  # devices with shared-expert replicas; 0 = computed locally,
+    # None = a tenth of the EP group when the rest still holds every routed expert (EP320: 32), else 0
     expert_imbalance: float = 1.0  # busiest routed-expert device / mean, after EPLB
     pipelined_mtp: bool = True
     host_sync_ms: float = 0.7  # one host round trip per graph launch when not pipelined
@@ -62,10 +63,18 @@ def mtp_tokens_per_step(drafts: int, acceptance: float) -> float:
     return sum(acceptance**i for i in range(drafts + 1))
 
 
+def shared_expert_devices(model: ModelSpec, cfg: DecodeConfig) -> int:
+    if cfg.shared_expert_devices is not None:
+        return cfg.shared_expert_devices
+    tenth = cfg.ep // 10
+    return tenth if cfg.ep - tenth >= model.routed_experts else 0
+
+
 def _moe_layout(model: ModelSpec, cfg: DecodeConfig) -> tuple[int, float, bool]:
     """(routed slots, experts per routed device, shared expert remote?)"""
-    shared_remote = cfg.shared_expert_devices > 0 and model.shared_experts > 0
-    slots = cfg.ep - (cfg.shared_expert_devices if shared_remote else 0)
+    shared_devs = shared_expert_devices(model, cfg)
+    shared_remote = shared_devs > 0 and model.shared_experts > 0
+    slots = cfg.ep - (shared_devs if shared_remote else 0)
     if slots < 1:
         raise ValueError(f"EP{cfg.ep} leaves no device for routed experts")
     return slots, max(1.0, model.routed_experts / slots), shared_remote
@@ -78,7 +87,7 @@ def moe_path(hw: HardwareSpec, model: ModelSpec, cfg: DecodeConfig, tokens_per_d
     # token-expert pairs on the busiest routed device (replicas share a hot expert's load)
     routed_pairs = global_tokens * model.top_k / slots * cfg.expert_imbalance
     if shared_remote:
-        shared_pairs = global_tokens * model.shared_experts / cfg.shared_expert_devices
+        shared_pairs = global_tokens * model.shared_experts / shared_expert_devices(model, cfg)
         candidates = [costs.expert_op(model, routed_pairs, experts_per_dev, cfg.weight_precision),
                       costs.expert_op(model, shared_pairs, model.shared_experts, cfg.weight_precision)]
         expert_ops = [max(candidates, key=lambda o: costs.op_time(o, hw).time_s)]
@@ -87,7 +96,7 @@ def moe_path(hw: HardwareSpec, model: ModelSpec, cfg: DecodeConfig, tokens_per_d
                                       experts_per_dev + model.shared_experts, cfg.weight_precision)]
     comm = costs.ep_comm(hw, model, tokens_per_device, cfg.ep, cfg.dispatch_precision,
                          extra_dests=1.0 if shared_remote else 0.0,
-                         plane=hw.ep_decode_plane)
+                         plane=hw.ep_decode_plane, dedup_ranks=False)
     ops = [costs.gate_op(model, tokens_per_device)] + expert_ops
     path = OpTimes.of(ops, hw, comm_s=comm.dispatch_s + comm.combine_s)
     return path, {"dispatch": comm.dispatch_s, "combine": comm.combine_s,

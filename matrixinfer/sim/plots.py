@@ -1,0 +1,64 @@
+"""Matplotlib figures of the simulator (Agg backend, written to files)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def _save(fig, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_decode_tradeoff(curves: dict[str, list[tuple[float, float, float]]], path: str | Path,
+                         marks: dict[str, tuple[float, float]] | None = None, slos_ms=(15, 30, 50)) -> Path:
+    """curves: label -> [(batch, tpot_ms, tokens/s per device)]; marks: label -> (tpot, tok/s)."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, pts in curves.items():
+        ax.plot([p[1] for p in pts], [p[2] for p in pts], marker=".", label=label)
+    for slo in slos_ms:
+        ax.axvline(slo, color="grey", ls=":", lw=0.8)
+        ax.text(slo, ax.get_ylim()[1] * 0.02, f" {slo} ms", color="grey", fontsize=8)
+    for label, (x, y) in (marks or {}).items():
+        ax.plot([x], [y], "k*", ms=10)
+        ax.annotate(label, (x, y), textcoords="offset points", xytext=(5, -12), fontsize=8)
+    ax.set_xlabel("TPOT (ms)")
+    ax.set_ylabel("decode tokens/s per device")
+    ax.set_title("Decode throughput vs TPOT (DeepSeek-R1, 4K KV; points = batch per device)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def plot_allocation(rates: dict[int, list[tuple[float, float]]], path: str | Path) -> Path:
+    """rates: supernode size -> [(mean block size, allocation rate)]."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for size, pts in sorted(rates.items()):
+        ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], marker=".", label=f"S = {size}")
+    ax.set_xlabel("mean block size (devices)")
+    ax.set_ylabel("NPU allocation rate (%)")
+    ax.set_title("Allocation rate vs mean block size")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def plot_utilisation(series: list[dict], path: str | Path) -> Path:
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    t = [s["t"] for s in series]
+    ax.plot(t, [s["prefill_busy"] for s in series], label="prefill busy fraction")
+    ax.plot(t, [s["decode_batch_fill"] for s in series], label="decode batch fill")
+    ax.set_xlabel("time (s)")
+    ax.set_ylim(0, 1.05)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)

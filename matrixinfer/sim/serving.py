@@ -1,0 +1,356 @@
+"""Discrete-event simulation of the PDC serving system with SimPy.
+
+Entities are plain classes (Request, EMSPool, PrefillInstance, DecodeInstance); their
+lives are SimPy processes (generator functions). Step times come from outside as plain
+functions, by default from the cost model (CostModelTimes), so the queueing machinery can
+be checked on its own against textbook queues.
+
+Path of a request: arrival -> least-loaded prefill instance (EMS lookup of its prefix,
+compute the rest, batch up to a token budget) -> KV hand-off -> least-loaded decode
+instance (continuous batching, MTP) -> done.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import random
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Callable
+
+import simpy
+
+from matrixinfer.sim.costs import BYTES
+from matrixinfer.sim.decode import DecodeConfig, decode_step
+from matrixinfer.sim.hardware import HardwareSpec
+from matrixinfer.sim.modelspec import ModelSpec
+from matrixinfer.sim.prefill import PrefillConfig, page_read_gb_s, prefill_batch
+
+
+@dataclass
+class Request:
+    rid: int
+    arrival: float
+    prompt_len: int
+    output_len: int
+    prefix_id: str | None = None
+    prefix_len: int = 0
+    cached_tokens: int = 0
+    prefill_start: float | None = None
+    first_token: float | None = None
+    done: float | None = None
+    generated: int = 0
+
+    @property
+    def ttft(self) -> float:
+        return self.first_token - self.arrival
+
+    @property
+    def tpot(self) -> float | None:
+        if self.done is None or self.output_len <= 1:
+            return None
+        return (self.done - self.first_token) / (self.output_len - 1)
+
+
+def poisson_requests(rate: float, n: int, prompt_len: int | Callable[[random.Random], int],
+                     output_len: int | Callable[[random.Random], int], seed: int = 0,
+                     prefixes: int = 0, prefix_len: int = 0) -> list[Request]:
+    """n requests with exponential inter-arrival times (rate per second). With `prefixes` > 0
+    each request starts with one of that many shared prefixes of `prefix_len` tokens."""
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for i in range(n):
+        t += rng.expovariate(rate)
+        p = prompt_len(rng) if callable(prompt_len) else prompt_len
+        o = output_len(rng) if callable(output_len) else output_len
+        pid = f"p{rng.randrange(prefixes)}" if prefixes else None
+        out.append(Request(i, t, p, o, pid, min(prefix_len, p) if pid else 0))
+    return out
+
+
+def load_trace(path: str | Path) -> list[Request]:
+    """CSV with a header: arrival,prompt_len,output_len[,prefix_id,prefix_len] (seconds, tokens)."""
+    reqs = []
+    with open(path, newline="") as f:
+        for i, row in enumerate(csv.DictReader(f)):
+            try:
+                reqs.append(Request(i, float(row["arrival"]), int(row["prompt_len"]), int(row["output_len"]),
+                                    row.get("prefix_id") or None, int(row.get("prefix_len") or 0)))
+            except (KeyError, ValueError) as e:
+                raise ValueError(f"{path}: row {i + 2}: {e}") from None
+    return sorted(reqs, key=lambda r: r.arrival)
+
+
+class EMSPool:
+    """Context cache: prefix id -> cached tokens, LRU over a token capacity."""
+
+    def __init__(self, capacity_tokens: int):
+        self.capacity = capacity_tokens
+        self.entries: OrderedDict[str, int] = OrderedDict()
+        self.used = 0
+        self.hits = self.lookups = 0
+
+    def lookup(self, req: Request) -> int:
+        if req.prefix_id is None:
+            return 0
+        self.lookups += 1
+        if req.prefix_id in self.entries:
+            self.entries.move_to_end(req.prefix_id)
+            self.hits += 1
+            return self.entries[req.prefix_id]
+        return 0
+
+    def insert(self, req: Request) -> None:
+        if req.prefix_id is None or req.prefix_len == 0 or req.prefix_id in self.entries:
+            return
+        while self.used + req.prefix_len > self.capacity and self.entries:
+            _, n = self.entries.popitem(last=False)
+            self.used -= n
+        if req.prefix_len <= self.capacity:
+            self.entries[req.prefix_id] = req.prefix_len
+            self.used += req.prefix_len
+
+
+class PrefillInstance:
+    def __init__(self, env: simpy.Environment, name: str, step_time: Callable[[list[Request]], float],
+                 ems: EMSPool | None, on_done: Callable[[Request], None], token_budget: int, max_requests: int):
+        self.env, self.name, self.step_time, self.ems, self.on_done = env, name, step_time, ems, on_done
+        self.token_budget, self.max_requests = token_budget, max_requests
+        self.queue: simpy.Store = simpy.Store(env)
+        self.queued_tokens = 0
+        self.busy = False
+        self.busy_time = 0.0
+        env.process(self.run())
+
+    def submit(self, req: Request) -> None:
+        self.queued_tokens += req.prompt_len
+        self.queue.put(req)
+
+    def run(self):
+        while True:
+            batch = [(yield self.queue.get())]
+            tokens = batch[0].prompt_len
+            while self.queue.items and len(batch) < self.max_requests \
+                    and tokens + self.queue.items[0].prompt_len <= self.token_budget:
+                req = yield self.queue.get()
+                batch.append(req)
+                tokens += req.prompt_len
+            for r in batch:
+                r.prefill_start = self.env.now
+                r.cached_tokens = self.ems.lookup(r) if self.ems else 0
+            self.busy = True
+            t = self.step_time(batch)
+            yield self.env.timeout(t)
+            self.busy = False
+            self.busy_time += t
+            for r in batch:
+                self.queued_tokens -= r.prompt_len
+                r.first_token = self.env.now
+                if self.ems:
+                    self.ems.insert(r)
+                self.on_done(r)
+
+
+class DecodeInstance:
+    def __init__(self, env: simpy.Environment, name: str, step_time: Callable[[int, float], float],
+                 max_batch: int, mtp_drafts: int, mtp_acceptance: float, rng: random.Random,
+                 on_done: Callable[[Request], None]):
+        self.env, self.name, self.step_time, self.max_batch = env, name, step_time, max_batch
+        self.mtp_drafts, self.mtp_acceptance, self.rng, self.on_done = mtp_drafts, mtp_acceptance, rng, on_done
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.wakeup = env.event()
+        self.steps = 0
+        env.process(self.run())
+
+    @property
+    def load(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def submit(self, req: Request) -> None:
+        self.waiting.append(req)
+        if not self.wakeup.triggered:
+            self.wakeup.succeed()
+
+    def tokens_this_step(self) -> int:
+        """1 verified token plus the drafts accepted in a row (each with probability a)."""
+        n = 1
+        for _ in range(self.mtp_drafts):
+            if self.rng.random() >= self.mtp_acceptance:
+                break
+            n += 1
+        return n
+
+    def run(self):
+        while True:
+            while self.waiting and len(self.running) < self.max_batch:
+                self.running.append(self.waiting.pop(0))
+            if not self.running:
+                self.wakeup = self.env.event()
+                yield self.wakeup
+                continue
+            mean_kv = sum(r.prompt_len + r.generated for r in self.running) / len(self.running)
+            yield self.env.timeout(self.step_time(len(self.running), mean_kv))
+            self.steps += 1
+            still = []
+            for r in self.running:
+                r.generated = min(r.output_len, r.generated + self.tokens_this_step())
+                if r.generated >= r.output_len:
+                    r.done = self.env.now
+                    self.on_done(r)
+                else:
+                    still.append(r)
+            self.running = still
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    prefill_instances: int = 6
+    decode_instances: int = 1
+    prefill_devices: int = 32  # per instance
+    decode_devices: int = 320  # per instance
+    max_batch_per_device: int = 96
+    prefill_token_budget: int = 16384 * 32  # per prefill batch of one instance
+    prefill_max_requests: int = 1024
+    ems_capacity_tokens: int = 0  # 0 = no context cache
+    kv_transfer_gb_s: float = 25.0  # prefill -> decode hand-off per request (RDMA plane, one die)
+    mtp_drafts: int = 1
+    mtp_acceptance: float = 0.7
+    sample_dt: float = 1.0  # utilisation sampling period, seconds
+    seed: int = 0
+
+
+@dataclass
+class ServingResult:
+    requests: list[Request]
+    duration_s: float
+    output_tokens: int
+    devices: int
+    utilisation: list[dict] = field(default_factory=list)  # time series
+    ems_hit_rate: float = 0.0
+
+    def finished(self) -> list[Request]:
+        return [r for r in self.requests if r.done is not None]
+
+    def summary(self) -> dict:
+        done = self.finished()
+        ttft = sorted(r.ttft for r in done)
+        tpot = sorted(t for r in done if (t := r.tpot) is not None)
+
+        def pct(xs, q):
+            return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+        return {"finished": len(done), "ttft_mean_s": sum(ttft) / len(ttft) if ttft else float("nan"),
+                "ttft_p50_s": pct(ttft, 0.5), "ttft_p99_s": pct(ttft, 0.99),
+                "tpot_mean_ms": 1e3 * sum(tpot) / len(tpot) if tpot else float("nan"),
+                "tpot_p50_ms": 1e3 * pct(tpot, 0.5), "tpot_p99_ms": 1e3 * pct(tpot, 0.99),
+                "output_tokens_per_s": self.output_tokens / self.duration_s if self.duration_s else 0.0,
+                "output_tokens_per_s_per_device": self.output_tokens / self.duration_s / self.devices
+                if self.duration_s else 0.0,
+                "ems_hit_rate": self.ems_hit_rate}
+
+
+def simulate(requests: list[Request], cfg: ServingConfig,
+             prefill_time: Callable[[list[Request]], float],
+             decode_time: Callable[[int, float], float],
+             kv_bytes_per_token: float = 0.0, progress: Callable[[int], None] | None = None) -> ServingResult:
+    """Run the PDC system until every request has finished (or left after prefill if it
+    asks for one token only). Least-loaded routing at both stages."""
+    env = simpy.Environment()
+    rng = random.Random(cfg.seed)
+    ems = EMSPool(cfg.ems_capacity_tokens) if cfg.ems_capacity_tokens else None
+    finished = [0]
+    decodes: list[DecodeInstance] = []
+
+    def request_done(r: Request) -> None:
+        finished[0] += 1
+        if progress:
+            progress(1)
+
+    def handoff(r: Request):
+        if kv_bytes_per_token:
+            yield env.timeout(r.prompt_len * kv_bytes_per_token / (cfg.kv_transfer_gb_s * 1e9))
+        min(decodes, key=lambda d: d.load).submit(r)
+
+    def after_prefill(r: Request) -> None:
+        r.generated = 1
+        if r.output_len <= 1 or not decodes:
+            r.done = env.now
+            request_done(r)
+        else:
+            env.process(handoff(r))
+
+    prefills = [PrefillInstance(env, f"prefill{i}", prefill_time, ems, after_prefill,
+                                cfg.prefill_token_budget, cfg.prefill_max_requests)
+                for i in range(cfg.prefill_instances)]
+    decodes.extend(DecodeInstance(env, f"decode{i}", decode_time, cfg.max_batch_per_device * cfg.decode_devices,
+                                  cfg.mtp_drafts, cfg.mtp_acceptance, rng, request_done)
+                   for i in range(cfg.decode_instances))
+    series: list[dict] = []
+
+    def arrivals():
+        for r in requests:
+            yield env.timeout(max(0.0, r.arrival - env.now))
+            min(prefills, key=lambda p: p.queued_tokens).submit(r)
+
+    def monitor():
+        while finished[0] < len(requests):
+            series.append({"t": env.now,
+                           "prefill_busy": sum(p.busy for p in prefills) / len(prefills),
+                           "decode_batch_fill": sum(len(d.running) for d in decodes)
+                           / max(1, sum(d.max_batch for d in decodes)),
+                           "prefill_queue_tokens": sum(p.queued_tokens for p in prefills)})
+            yield env.timeout(cfg.sample_dt)
+
+    env.process(arrivals())
+    env.process(monitor())
+    while finished[0] < len(requests):
+        if not env.peek() < math.inf:
+            raise RuntimeError("simulation stalled with unfinished requests")
+        env.step()
+    out_tokens = sum(r.output_len for r in requests if r.done is not None)
+    devices = cfg.prefill_instances * cfg.prefill_devices + cfg.decode_instances * cfg.decode_devices
+    start = min(r.arrival for r in requests)
+    hit = ems.hits / ems.lookups if ems and ems.lookups else 0.0
+    return ServingResult(requests, env.now - start, out_tokens, devices, series, hit)
+
+
+class CostModelTimes:
+    """Step-time functions for `simulate` from the cost model (memoised on rounded inputs)."""
+
+    def __init__(self, hw: HardwareSpec, model: ModelSpec, cfg: ServingConfig, prefill_overrides: dict | None = None,
+                 decode_overrides: dict | None = None):
+        self.hw, self.model, self.cfg = hw, model, cfg
+        self.prefill_overrides = prefill_overrides or {}
+        self.decode_overrides = decode_overrides or {}
+        self.page_gb_s = page_read_gb_s(hw, "ub", cfg.prefill_instances * cfg.prefill_devices)
+
+    @lru_cache(maxsize=65536)
+    def _prefill(self, tokens_per_device: int, eq_len: int, hit_pct: int) -> float:
+        pc = PrefillConfig(tokens_per_device=tokens_per_device, prompt_len=eq_len, devices=self.cfg.prefill_devices,
+                           ep=self.cfg.prefill_devices, cache_hit=hit_pct / 100, **self.prefill_overrides)
+        return prefill_batch(self.hw, self.model, pc).ttft_s
+
+    def prefill_time(self, batch: list[Request]) -> float:
+        tokens = sum(r.prompt_len for r in batch)
+        cached = sum(r.cached_tokens for r in batch)
+        sq = sum(r.prompt_len**2 for r in batch)
+        eq_len = max(1, round(sq / tokens / 64) * 64)  # token-weighted mean length: same attention work
+        per_dev = max(1, round(tokens / self.cfg.prefill_devices / 64) * 64)
+        return self._prefill(per_dev, eq_len, min(99, round(100 * cached / tokens)))
+
+    @lru_cache(maxsize=65536)
+    def _decode(self, batch_per_device: int, kv: int) -> float:
+        dc = DecodeConfig(batch_per_device=batch_per_device, kv_len=kv, ep=self.cfg.decode_devices,
+                          mtp_drafts=self.cfg.mtp_drafts, mtp_acceptance=self.cfg.mtp_acceptance,
+                          **self.decode_overrides)
+        return decode_step(self.hw, self.model, dc).step_ms / 1e3
+
+    def decode_time(self, running: int, mean_kv: float) -> float:
+        return self._decode(math.ceil(running / self.cfg.decode_devices), max(64, round(mean_kv / 64) * 64))
+
+    def kv_bytes_per_token(self) -> float:
+        return self.model.layers * self.model.kv_elems_per_token_layer() * BYTES["bf16"]
