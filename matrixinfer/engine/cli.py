@@ -1,5 +1,65 @@
-"""CLI subcommands of this subsystem (registered by matrixinfer.cli)."""
+"""`matrixinfer generate` and `matrixinfer bench engine`."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from matrixinfer.engine.llm import DEFAULT_MODEL
+
+
+def _generate(args) -> int:
+    from matrixinfer import LLM, SamplingParams
+
+    llm = LLM(model=args.model, dtype=args.dtype, seed=args.seed)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop or None,
+                            ignore_eos=args.ignore_eos)
+    if args.stream:
+        printed = ""
+        for out in llm.generate_stream(args.prompt, params):
+            text = out.outputs[0].text
+            sys.stdout.write(text[len(printed):])
+            sys.stdout.flush()
+            printed = text
+        print()
+        return 0
+    out = llm.generate(args.prompt, params, use_tqdm=False)[0]
+    print(args.prompt + out.outputs[0].text)
+    return 0
+
+
+def _bench_engine(args) -> int:
+    from matrixinfer.bench.engine_bench import main
+
+    return main(args)
 
 
 def register(sub, bench_sub) -> None:
-    pass
+    g = sub.add_parser("generate", help="generate a completion of one prompt")
+    g.add_argument("--model", default=DEFAULT_MODEL)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    g.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    g.set_defaults(func=_generate)
+
+    b = bench_sub.add_parser("engine", help="our engine vs transformers generate on the same requests")
+    b.add_argument("--model", default=DEFAULT_MODEL)
+    b.add_argument("--requests", type=int, nargs="+", default=[1, 8, 32],
+                   help="concurrent requests; several values run one after another")
+    b.add_argument("--input-len", type=int, default=128)
+    b.add_argument("--output-len", type=int, default=128)
+    b.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    b.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    b.add_argument("--no-profile", action="store_true")
+    b.add_argument("--no-write", action="store_true", help="do not write benchmarks/")
+    b.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    b.set_defaults(func=_bench_engine)

@@ -1,0 +1,238 @@
+"""`matrixinfer bench engine`: our engine vs transformers' batched `generate`, same
+checkpoint, dtype, threads and requests, in one process run.
+
+Reports output tokens/s of each and their ratio, the decode step time of each, and the
+step-time floor: bytes a decode step must move (active weights + latent KV read) over the
+memory bandwidth measured on this machine. A torch.profiler table says where our decode
+step's time goes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from tqdm import tqdm
+
+from matrixinfer.bench.report import markdown_table, save_json, write_section
+
+
+@dataclass
+class EngineBenchResult:
+    model: str
+    dtype: str
+    threads: int
+    requests: int
+    input_len: int
+    output_len: int
+    matrixinfer_tokens_per_s: float
+    transformers_tokens_per_s: float
+    ratio: float
+    matrixinfer_decode_step_ms: float
+    transformers_decode_step_ms: float
+    floor_decode_step_ms: float
+    bytes_per_decode_step: int
+    memory_bandwidth_gb_s: float
+    matrixinfer_seconds: float
+    transformers_seconds: float
+    profile_top_ops: list
+
+
+def measure_bandwidth(n_bytes: int = 256 * 2**20, repeats: int = 5) -> float:
+    """Memory bandwidth in bytes/s from a large tensor copy (read + write)."""
+    src = torch.ones(n_bytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n_bytes / best
+
+
+def decode_step_bytes(model, batch: int, context_len: int) -> int:
+    """Weights a decode step reads (dense weights, shared experts, the routed experts a batch
+    touches in expectation) plus the latent KV it reads."""
+    cfg = model.config
+    elt = model.lm_head.weight.element_size()
+    total = 0
+    for name, p in model.named_parameters():
+        if ".mtp." in name or name == "model.embed_tokens.weight":
+            continue  # MTP is off; embedding is a gather of `batch` rows
+        if ".mlp.experts." in name:
+            # each expert is read once if any token routes to it
+            p_hit = 1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** batch
+            total += int(p.numel() * p.element_size() * p_hit)
+        else:
+            total += p.numel() * p.element_size()
+    total += batch * cfg.hidden_size * elt
+    kv = batch * context_len * cfg.kv_cache_dim * cfg.num_hidden_layers * elt
+    return total + kv
+
+
+def _requests(n: int, input_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(10, vocab, (input_len,), generator=g).tolist() for _ in range(n)]
+
+
+def run_matrixinfer(model_dir, dtype, prompts, output_len, profile: bool):
+    from matrixinfer import LLM, SamplingParams
+
+    llm = LLM(model=model_dir, dtype=dtype, max_num_seqs=max(64, len(prompts)),
+              max_num_batched_tokens=max(2048, len(prompts[0]) * 4))
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": prompts[0][:16]}], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    engine = llm.engine
+    for i, p in enumerate(prompts):
+        engine.add_request(f"bench-{i}", {"prompt_token_ids": p}, params)
+    decode_times, top_ops = [], []
+    start = time.perf_counter()
+    with tqdm(total=len(prompts) * output_len, desc="matrixinfer", unit="tok") as bar:
+        while engine.has_unfinished_requests():
+            running = len(engine.scheduler.running)
+            all_decode = not engine.scheduler.waiting and all(s.num_uncomputed == 1 for s in engine.scheduler.running)
+            t = time.perf_counter()
+            outs = engine.step()
+            if all_decode and running == len(prompts):
+                decode_times.append(time.perf_counter() - t)
+            bar.update(sum(1 for _ in outs))
+    elapsed = time.perf_counter() - start
+    if profile:
+        top_ops = profile_decode(llm, prompts, output_len)
+    return llm, elapsed, sorted(decode_times)[len(decode_times) // 2] if decode_times else float("nan"), top_ops
+
+
+def profile_decode(llm, prompts, output_len, steps: int = 10) -> list:
+    from torch.profiler import ProfilerActivity, profile
+
+    from matrixinfer import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"prof-{i}", {"prompt_token_ids": p}, params)
+    while any(s.num_uncomputed > 1 for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine.step()
+    for rid in list(engine.requests):
+        engine.abort_request(rid)
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events) or 1
+    top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:12]
+    return [[e.key, round(100 * e.self_cpu_time_total / total, 1), round(e.self_cpu_time_total / steps / 1000, 3)]
+            for e in top]
+
+
+def run_transformers(model_dir, dtype, prompts, output_len):
+    import transformers
+
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval()
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    # left-padded batch with an attention mask, as users call generate
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    kwargs = dict(attention_mask=mask, do_sample=False, eos_token_id=None, pad_token_id=pad)
+    with torch.inference_mode():
+        model.generate(ids[:1, :16], max_new_tokens=4, **{**kwargs, "attention_mask": mask[:1, :16]})
+        t = time.perf_counter()
+        model(ids, attention_mask=mask)
+        prefill = time.perf_counter() - t
+        print("transformers generate ...", flush=True)
+        t = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=output_len, min_new_tokens=output_len, **kwargs)
+        elapsed = time.perf_counter() - t
+    assert out.shape[1] == width + output_len
+    return elapsed, (elapsed - prefill) / max(1, output_len - 1)
+
+
+def run(model_dir: str, requests: int, input_len: int, output_len: int, dtype: str, threads: int,
+        profile: bool = True) -> EngineBenchResult:
+    torch.set_num_threads(threads)
+    from matrixinfer.config import ModelConfig
+
+    cfg = ModelConfig.from_pretrained(model_dir)
+    prompts = _requests(requests, input_len, cfg.vocab_size)
+    llm, ours_s, ours_step, top_ops = run_matrixinfer(model_dir, dtype, prompts, output_len, profile)
+    hf_s, hf_step = run_transformers(model_dir, dtype, prompts, output_len)
+    n_out = requests * output_len
+    bw = measure_bandwidth()
+    step_bytes = decode_step_bytes(llm.engine.model, requests, input_len + output_len // 2)
+    return EngineBenchResult(
+        model=str(model_dir), dtype=dtype, threads=threads, requests=requests, input_len=input_len,
+        output_len=output_len, matrixinfer_tokens_per_s=n_out / ours_s, transformers_tokens_per_s=n_out / hf_s,
+        ratio=hf_s / ours_s, matrixinfer_decode_step_ms=ours_step * 1e3, transformers_decode_step_ms=hf_step * 1e3,
+        floor_decode_step_ms=step_bytes / bw * 1e3, bytes_per_decode_step=step_bytes,
+        memory_bandwidth_gb_s=bw / 1e9, matrixinfer_seconds=ours_s, transformers_seconds=hf_s,
+        profile_top_ops=top_ops,
+    )
+
+
+def report(results: list[EngineBenchResult]) -> None:
+    rows = [[r.requests, r.input_len, r.output_len, r.dtype, r.threads, r.matrixinfer_tokens_per_s,
+             r.transformers_tokens_per_s, f"{r.ratio:.2f}x", r.matrixinfer_decode_step_ms,
+             r.transformers_decode_step_ms, r.floor_decode_step_ms] for r in results]
+    table = markdown_table(["requests", "input", "output", "dtype", "threads", "matrixinfer tok/s",
+                            "transformers tok/s", "ratio", "our decode step ms", "HF decode step ms",
+                            "floor step ms"], rows)
+    last = results[-1]
+    prof = markdown_table(["op", "% self CPU", "ms / step"], last.profile_top_ops) if last.profile_top_ops else ""
+    md = (f"## Engine: matrixinfer vs transformers `generate`\n\n"
+          f"`matrixinfer bench engine` on `{last.model}`; same checkpoint, dtype, threads and requests on both "
+          f"sides; greedy, `ignore_eos`, outputs of exactly `output` tokens. The floor is the bytes a decode step "
+          f"must read ({last.bytes_per_decode_step / 1e6:.1f} MB: active weights + latent KV) over the measured "
+          f"copy bandwidth ({last.memory_bandwidth_gb_s:.1f} GB/s).\n\n{table}\n\n"
+          f"![engine](engine.png)\n\nWhere our decode step's time goes ({last.requests} requests, torch.profiler, "
+          f"self CPU time):\n\n{prof}\n")
+    write_section("engine", md)
+    save_json("engine", {"results": [asdict(r) for r in results]})
+    plot(results)
+
+
+def plot(results: list[EngineBenchResult]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from matrixinfer.bench.report import bench_dir
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    labels = [f"{r.requests} req" for r in results]
+    x = range(len(results))
+    a.bar([i - 0.2 for i in x], [r.matrixinfer_tokens_per_s for r in results], 0.4, label="matrixinfer")
+    a.bar([i + 0.2 for i in x], [r.transformers_tokens_per_s for r in results], 0.4, label="transformers")
+    a.set_xticks(list(x), labels)
+    a.set_ylabel("output tokens/s")
+    a.legend()
+    b.bar([i - 0.27 for i in x], [r.matrixinfer_decode_step_ms for r in results], 0.27, label="matrixinfer")
+    b.bar(list(x), [r.transformers_decode_step_ms for r in results], 0.27, label="transformers")
+    b.bar([i + 0.27 for i in x], [r.floor_decode_step_ms for r in results], 0.27, label="bandwidth floor")
+    b.set_xticks(list(x), labels)
+    b.set_ylabel("decode step (ms)")
+    b.legend()
+    fig.suptitle(f"{results[0].dtype}, {results[0].threads} threads, input {results[0].input_len}, "
+                 f"output {results[0].output_len}")
+    fig.tight_layout()
+    fig.savefig(bench_dir() / "engine.png", dpi=110)
+
+
+def main(args) -> int:
+    results = []
+    for n in args.requests:
+        results.append(run(args.model, n, args.input_len, args.output_len, args.dtype, args.threads,
+                           profile=not args.no_profile))
+        r = results[-1]
+        print(f"{n} requests: matrixinfer {r.matrixinfer_tokens_per_s:.1f} tok/s, transformers "
+              f"{r.transformers_tokens_per_s:.1f} tok/s, ratio {r.ratio:.2f}x", flush=True)
+    if not args.no_write:
+        report(results)
+    if args.json:
+        print(json.dumps(asdict(results[-1])))
+    return 0
