@@ -15,6 +15,7 @@ SUBSYSTEMS = [
     "matrixinfer.engine.cli",
     "matrixinfer.sim.cli",
     "matrixinfer.ems.cli",
+    "matrixinfer.serving.cli",
 ]
 
 
