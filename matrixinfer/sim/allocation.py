@@ -158,6 +158,7 @@ class ClosCost:
     l2_switches: int
     switches_per_device: float
     port_utilisation: float  # used ports / provisioned switch ports
+    min_l2_radix: int  # smallest L2 radix that keeps this size in two tiers
 
 
 def clos_cost(devices: int, links_per_device: int = 7, l1_down: int = 16, l1_up: int = 16,
@@ -174,4 +175,5 @@ def clos_cost(devices: int, links_per_device: int = 7, l1_down: int = 16, l1_up:
     ports = n_l1 * (l1_down + l1_up) + n_l2 * l2_radix
     used = devices + 2 * n_l1 * l1_up
     total = links_per_device * (n_l1 + n_l2)
-    return ClosCost(devices, feasible, links_per_device * n_l1, links_per_device * n_l2, total / devices, used / ports)
+    return ClosCost(devices, feasible, links_per_device * n_l1, links_per_device * n_l2, total / devices, used / ports,
+                    n_l1)

@@ -17,6 +17,8 @@ from matrixinfer.bench.report import markdown_table
 
 DECODE_PLOT = "docs/img/sim_decode_tpot.png"
 ALLOC_PLOT = "docs/img/sim_allocation.png"
+ALLOC_SIZES = [192, 224, 384, 768, 2048, 8192]
+ALLOC_MEANS = [2, 4, 6, 8, 10.08, 11.28, 14, 18, 24]
 
 
 def _specs(args):
@@ -204,16 +206,24 @@ def cmd_dispatch(args) -> int:
 
 # ---------------------------------------------------------------- allocation
 
-def cmd_allocation(args) -> int:
-    from matrixinfer.sim.allocation import clos_cost, simulate_allocation
+def allocation_sweep(sizes, means, total=8192, jobs=20000, window=1, seed=0, contiguous=False,
+                     quiet=False) -> dict[int, list[tuple[float, float]]]:
+    """Allocation rate for every (supernode size, mean block size): size -> [(mean, rate)]."""
+    from matrixinfer.sim.allocation import simulate_allocation
 
-    grid = [(s, m) for s in args.sizes for m in args.means]
-    rates: dict[int, list] = {s: [] for s in args.sizes}
-    for s, m in tqdm(grid, desc="allocation", disable=args.json):
-        r = simulate_allocation(s, m, total_devices=args.total, jobs=args.jobs, window=args.window,
-                                seed=args.seed, contiguous=args.contiguous)
+    rates: dict[int, list] = {s: [] for s in sizes}
+    for s, m in tqdm([(s, m) for s in sizes for m in means], desc="allocation", disable=quiet):
+        r = simulate_allocation(s, m, total_devices=total, jobs=jobs, window=window, seed=seed, contiguous=contiguous)
         rates[s].append((m, r.allocation_rate))
-    clos = [clos_cost(s, l2_radix=args.radix) for s in args.sizes]
+    return rates
+
+
+def cmd_allocation(args) -> int:
+    from matrixinfer.sim.allocation import clos_cost
+
+    rates = allocation_sweep(args.sizes, args.means, args.total, args.jobs, args.window, args.seed,
+                             args.contiguous, quiet=args.json)
+    clos = [clos_cost(s * args.dies_per_npu, l2_radix=args.radix) for s in args.sizes]
     if args.plot:
         from matrixinfer.sim.plots import plot_allocation
 
@@ -224,10 +234,12 @@ def cmd_allocation(args) -> int:
         return 0
     print(markdown_table(["S \\ mean block"] + [f"{m:g}" for m in args.means],
                          [[s] + [f"{100 * r:.1f} %" for _, r in rates[s]] for s in args.sizes]))
-    print(f"\ntwo-tier Clos, 7 planes, L1 16 down + 16 up, L2 radix {args.radix}:\n")
-    print(markdown_table(["S", "two-tier", "L1 chips", "L2 chips", "switch chips/device", "port use"],
+    print(f"\nUB network as a two-tier Clos ({args.dies_per_npu} dies per NPU, 7 planes, "
+          f"L1 16 down + 16 up, L2 radix {args.radix}):\n")
+    print(markdown_table(["dies", "two-tier", "L1 chips", "L2 chips", "switch chips/die", "port use",
+                          "L2 radix needed"],
                          [[c.devices, c.feasible, c.l1_switches, c.l2_switches, c.switches_per_device,
-                           f"{100 * c.port_utilisation:.0f} %"] for c in clos]))
+                           f"{100 * c.port_utilisation:.1f} %", c.min_l2_radix] for c in clos]))
     if args.plot:
         print(f"\nplot: {args.plot}")
     return 0
@@ -261,17 +273,10 @@ def cmd_paper_tables(args) -> int:
     rows = [[sid, metric, value] for sid, metrics in tables["scenarios"].items() for metric, value in metrics.items()]
     print(markdown_table(["scenario", "metric", "predicted"], rows))
     if args.plots:
-        from matrixinfer.sim.plots import plot_allocation  # noqa: F401  (imports matplotlib once)
+        from matrixinfer.sim.plots import plot_allocation
 
         _decode_plot(DECODE_PLOT)
-        ns = argparse.Namespace(sizes=[192, 224, 384, 768, 2048, 8192], means=[2, 4, 6, 8, 10.08, 11.28, 14, 18, 24],
-                                total=8192, jobs=20000, window=1, seed=0, contiguous=False, radix=48,
-                                plot=ALLOC_PLOT, json=True)
-        with open("/dev/null", "w") as devnull:
-            import contextlib
-
-            with contextlib.redirect_stdout(devnull):
-                cmd_allocation(ns)
+        plot_allocation(allocation_sweep(ALLOC_SIZES, ALLOC_MEANS, jobs=60000), ALLOC_PLOT)
         print(f"\nplots: {DECODE_PLOT}, {ALLOC_PLOT}")
     return 0
 
@@ -345,13 +350,14 @@ def register(sub, bench_sub) -> None:
     p.set_defaults(func=cmd_dispatch)
 
     p = ssub.add_parser("allocation", help="NPU allocation rate vs mean block size; Clos cost")
-    p.add_argument("--sizes", type=int, nargs="+", default=[192, 224, 384, 768, 2048, 8192])
-    p.add_argument("--means", type=float, nargs="+", default=[2, 4, 6, 8, 10.08, 11.28, 14, 18, 24])
+    p.add_argument("--sizes", type=int, nargs="+", default=ALLOC_SIZES)
+    p.add_argument("--means", type=float, nargs="+", default=ALLOC_MEANS)
     p.add_argument("--total", type=int, default=8192, help="devices in the whole cluster")
     p.add_argument("--jobs", type=int, default=20000, help="job completions simulated per point")
     p.add_argument("--window", type=int, default=1, help="waiting jobs the scheduler may pick from (1 = FIFO)")
     p.add_argument("--contiguous", action="store_true", help="blocks need contiguous device addresses")
     p.add_argument("--radix", type=int, default=48, help="L2 switch radix")
+    p.add_argument("--dies-per-npu", type=int, default=2, help="UB endpoints per NPU for the Clos cost")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", help=f"write the figure (e.g. {ALLOC_PLOT})")
     p.add_argument("--json", action="store_true")

@@ -10,6 +10,15 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+def _finish(ax, xlabel: str, ylabel: str, title: str | None = None) -> None:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
 def _save(fig, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -31,11 +40,8 @@ def plot_decode_tradeoff(curves: dict[str, list[tuple[float, float, float]]], pa
     for label, (x, y) in (marks or {}).items():
         ax.plot([x], [y], "k*", ms=10)
         ax.annotate(label, (x, y), textcoords="offset points", xytext=(5, -12), fontsize=8)
-    ax.set_xlabel("TPOT (ms)")
-    ax.set_ylabel("decode tokens/s per device")
-    ax.set_title("Decode throughput vs TPOT (DeepSeek-R1, 4K KV; points = batch per device)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    _finish(ax, "TPOT (ms)", "decode tokens/s per device",
+            "Decode throughput vs TPOT (DeepSeek-R1, 4K KV; points = batch per device)")
     return _save(fig, path)
 
 
@@ -44,11 +50,7 @@ def plot_allocation(rates: dict[int, list[tuple[float, float]]], path: str | Pat
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for size, pts in sorted(rates.items()):
         ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], marker=".", label=f"S = {size}")
-    ax.set_xlabel("mean block size (devices)")
-    ax.set_ylabel("NPU allocation rate (%)")
-    ax.set_title("Allocation rate vs mean block size")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    _finish(ax, "mean block size (devices)", "NPU allocation rate (%)", "Allocation rate vs mean block size")
     return _save(fig, path)
 
 
@@ -57,8 +59,6 @@ def plot_utilisation(series: list[dict], path: str | Path) -> Path:
     t = [s["t"] for s in series]
     ax.plot(t, [s["prefill_busy"] for s in series], label="prefill busy fraction")
     ax.plot(t, [s["decode_batch_fill"] for s in series], label="decode batch fill")
-    ax.set_xlabel("time (s)")
     ax.set_ylim(0, 1.05)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    _finish(ax, "time (s)", "fraction")
     return _save(fig, path)

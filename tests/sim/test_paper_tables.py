@@ -1,11 +1,22 @@
 """`matrixinfer simulate paper-tables --json` and the other CLI commands."""
 
+import argparse
 import json
 import math
 
 import pytest
 
-from matrixinfer.cli import main
+from matrixinfer.sim.cli import register
+
+
+def main(argv: list[str]) -> int:
+    """`matrixinfer <argv>` with only this subsystem's commands registered (the top-level
+    CLI imports every subsystem; a broken one elsewhere must not hide these results)."""
+    parser = argparse.ArgumentParser(prog="matrixinfer")
+    sub = parser.add_subparsers(dest="command", required=True)
+    register(sub, sub.add_parser("bench").add_subparsers(dest="bench_command"))
+    args = parser.parse_args(argv)
+    return args.func(args)
 
 SCENARIOS = {
     "decode-cm384-4k-b96": ["tpot_ms", "tokens_per_s_per_npu"],
@@ -31,12 +42,8 @@ FRACTIONS = {"ttft_reduction", "allocation_rate"}
 
 
 @pytest.fixture(scope="module")
-def tables(capsys_module):
-    return capsys_module
-
-
-@pytest.fixture(scope="module")
 def capsys_module():
+    """stdout of `matrixinfer simulate paper-tables --json`, run once for the module."""
     import contextlib
     import io
 
