@@ -41,6 +41,8 @@ class PrefillConfig:
     page_plane: str = "ub"  # "ub" or "vpc": where cached KV pages are read from
     ems_readers: int = 192  # devices reading the pool at once (6 prefill instances x 32 dies)
     hierarchical_ep: bool = False  # GPU clusters: RDMA between nodes + NVLink inside
+    moe_tokens_per_device: float | None = None  # EP load per device if it differs from this
+    # device's own tokens (DP: experts see the group's mean, attention only its own prompts)
     overlap: float | None = None
 
     def __post_init__(self):
@@ -121,7 +123,8 @@ def prefill_batch(hw: HardwareSpec, model: ModelSpec, cfg: PrefillConfig) -> Pre
     attn, parts = _attention_path(hw, model, cfg, new, cached, pairs)
     t_moe_layer = t_dense_layer = 0.0
     if model.routed_experts:
-        moe, moe_parts = _moe_path(hw, model, cfg, new)
+        moe_new = new if cfg.moe_tokens_per_device is None else cfg.moe_tokens_per_device * (1 - cfg.cache_hit) / mb
+        moe, moe_parts = _moe_path(hw, model, cfg, moe_new)
         parts.update(moe_parts)
         t_moe_layer = mb * (costs.overlapped_time(attn, moe, overlap) if mb > 1 else attn.time_s + moe.time_s)
     ffn = OpTimes.of([costs.dense_ffn_op(model, new, cfg.weight_precision)], hw)
@@ -152,16 +155,19 @@ def prefill_balance(hw: HardwareSpec, model: ModelSpec, lengths: list[int], devi
 
     Per-token and per-attention-pair costs come from prefill_batch; DP places each prompt on
     the device with the fewest tokens so far (what a DP scheduler can do without knowing
-    the future), and the batch lasts as long as the busiest device.
+    the future). Every MoE layer is an all-to-all over the group, so its expert work is the
+    group mean while attention is each device's own: the busiest device sets the pace.
     """
     tokens = sum(lengths)
     pairs = [costs.causal_pairs(L) for L in lengths]
+
+    mean_tokens = tokens / devices
 
     def time_for(attention: str, n_tokens: float, n_pairs: float) -> float:
         # express the work as an equivalent batch of equal prompts with the same token and pair counts
         eq_len = max(1.0, 2 * n_pairs / n_tokens - 1)
         cfg = PrefillConfig(tokens_per_device=n_tokens, prompt_len=eq_len, devices=devices, ep=devices,
-                            attention=attention, **overrides)
+                            attention=attention, moe_tokens_per_device=mean_tokens, **overrides)
         return prefill_batch(hw, model, cfg).batch_s
 
     load_tokens = [0.0] * devices
@@ -172,5 +178,5 @@ def prefill_balance(hw: HardwareSpec, model: ModelSpec, lengths: list[int], devi
         load_pairs[d] += p
     dp_times = [time_for("dp", t, p) if t else 0.0 for t, p in zip(load_tokens, load_pairs)]
     dp = max(dp_times)
-    sptp = time_for("sp-tp-sp", tokens / devices, sum(pairs) / devices)
+    sptp = time_for("sp-tp-sp", mean_tokens, sum(pairs) / devices)
     return BalanceResult(dp, sptp, (sum(dp_times) / devices) / dp, dp / sptp)
