@@ -47,20 +47,21 @@ class MLAttention(nn.Module):
         self.kv_cache: torch.Tensor | None = None  # [num_blocks, block_size, kv_lora_rank + rope], set by the engine
 
     # -- the "MLA prolog": projections, norm, rope --------------------------------------------
-    def prolog(self, x: torch.Tensor, positions: torch.Tensor):
-        """x: [..., hidden] -> q_nope [..., H, nope], q_pe [..., H, rope], c_kv [..., rank], k_pe [..., rope]."""
+    def prolog(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+        """x: [..., hidden], rope: (cos, sin) of the positions ->
+        q_nope [..., H, nope], q_pe [..., H, rope], c_kv [..., rank], k_pe [..., rope]."""
         q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(*x.shape[:-1], self.n_heads, self.qk_dim)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        cos, sin = rope
         q_pe = self.rotary(q_pe, cos, sin)
         k_pe = self.rotary(k_pe.unsqueeze(-2), cos, sin).squeeze(-2)
         return q_nope, q_pe, c_kv, k_pe
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        q_nope, q_pe, c_kv, k_pe = self.prolog(x, positions)
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        q_nope, q_pe, c_kv, k_pe = self.prolog(x, rope)
         ctx = get_context()
         if ctx is None:
             out = self._attend_unabsorbed(q_nope, q_pe, c_kv, k_pe, causal_offset=0)

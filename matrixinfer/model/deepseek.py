@@ -22,8 +22,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), positions)
+    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), rope)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -47,7 +47,8 @@ class MTPLayer(DecoderLayer):
 
     def forward(self, h_prev: torch.Tensor, next_embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h = self.eh_proj(torch.cat([self.enorm(next_embeds), self.hnorm(h_prev)], dim=-1))
-        return self.shared_head.norm(super().forward(h, positions))
+        rope = self.self_attn.rotary.cos_sin(positions, h.dtype)
+        return self.shared_head.norm(super().forward(h, rope))
 
 
 class DeepseekModel(nn.Module):
@@ -61,8 +62,9 @@ class DeepseekModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
+        rope = self.layers[0].self_attn.rotary.cos_sin(positions, h.dtype)  # same for every layer
         for layer in self.layers:
-            h = layer(h, positions)
+            h = layer(h, rope)
         return self.norm(h)
 
 

@@ -59,6 +59,7 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, expert_ids: list[int] | None = None):
         super().__init__()
         self.gate = Router(cfg)
+        self.n_experts = cfg.n_routed_experts
         ids = range(cfg.n_routed_experts) if expert_ids is None else expert_ids
         self.experts = nn.ModuleDict({str(e): MLP(cfg.hidden_size, cfg.moe_intermediate_size) for e in ids})
         self.shared_experts = (
@@ -66,17 +67,21 @@ class MoE(nn.Module):
         )
 
     def forward_local(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Weighted sum of the local experts' outputs for the (token, expert) pairs routed to them."""
-        out = torch.zeros_like(x)
-        hit = torch.unique(ids).tolist()
-        for e in hit:
-            expert = self.experts[str(e)] if str(e) in self.experts else None
-            if expert is None:
-                continue
-            token_idx, slot = torch.where(ids == e)
-            y = expert(x[token_idx]) * weights[token_idx, slot, None].to(x.dtype)
-            out.index_add_(0, token_idx, y)
-        return out
+        """Weighted sum of the local experts' outputs for the (token, expert) pairs routed to them.
+        Pairs are sorted by expert so each expert runs once on a contiguous slice."""
+        flat_ids = ids.flatten()
+        order = flat_ids.argsort(stable=True)
+        counts = torch.bincount(flat_ids, minlength=self.n_experts).tolist()
+        token_idx = order // ids.shape[1]
+        xs = x[token_idx]
+        ys, start = [], 0
+        for e, n in enumerate(counts):
+            if n:
+                expert = self.experts[str(e)] if str(e) in self.experts else None
+                ys.append(expert(xs[start:start + n]) if expert is not None else xs.new_zeros(n, x.shape[-1]))
+            start += n
+        y = torch.cat(ys) * weights.flatten()[order, None].to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, token_idx, y)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

@@ -59,7 +59,7 @@ def test_absorbed_and_unabsorbed_attention_agree(hf_checkpoint):
     x = torch.randn(3, 12, attn.o_proj.out_features, generator=g)
     pos = torch.arange(12).expand(3, 12)
     with torch.no_grad():
-        q_nope, q_pe, c_kv, k_pe = attn.prolog(x, pos)
+        q_nope, q_pe, c_kv, k_pe = attn.prolog(x, attn.rotary.cos_sin(pos, x.dtype))
         full = attn._attend_unabsorbed(q_nope, q_pe, c_kv, k_pe, causal_offset=0)[:, -1]
         latents = torch.cat([c_kv, k_pe], dim=-1)
         absorbed = attn._attend_absorbed(q_nope[:, -1], q_pe[:, -1], latents, torch.full((3,), 12))
