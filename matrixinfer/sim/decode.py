@@ -13,7 +13,7 @@ One step on one device, with `batch` sequences per device, split into microbatch
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from matrixinfer.sim import costs
 from matrixinfer.sim.costs import OpTimes
@@ -123,6 +123,8 @@ def _layer_time(hw, model, cfg, seqs_per_mb, tokens_per_mb, moe: bool, overlap: 
 
 
 def decode_step(hw: HardwareSpec, model: ModelSpec, cfg: DecodeConfig) -> DecodeResult:
+    if cfg.mtp_drafts and not model.mtp_layers:  # a model without an MTP module cannot draft
+        cfg = replace(cfg, mtp_drafts=0)
     overlap = hw.efficiency.overlap if cfg.overlap is None else cfg.overlap
     mb = cfg.microbatches
     seqs = cfg.batch_per_device
@@ -134,7 +136,7 @@ def decode_step(hw: HardwareSpec, model: ModelSpec, cfg: DecodeConfig) -> Decode
     t_head = costs.op_time(costs.lm_head_op(model, main_tokens), hw).time_s
     # each draft: one MTP block (an MoE layer + eh_proj) and the shared head, on `seqs` tokens
     t_mtp = 0.0
-    if cfg.mtp_drafts and model.mtp_layers:
+    if cfg.mtp_drafts:
         eh = costs.Op("mtp_eh_proj", 2.0 * seqs * 2 * model.hidden * model.hidden,
                       2 * model.hidden * model.hidden * costs.BYTES[cfg.weight_precision], cfg.weight_precision)
         one = (_layer_time(hw, model, cfg, seqs / mb, seqs / mb, moe=moe, overlap=overlap)
@@ -142,7 +144,7 @@ def decode_step(hw: HardwareSpec, model: ModelSpec, cfg: DecodeConfig) -> Decode
         t_mtp = cfg.mtp_drafts * one
     t_sync = 0.0 if cfg.pipelined_mtp else (cfg.mtp_drafts + 1) * cfg.host_sync_ms * 1e-3
     step = t_layers + t_head + t_mtp + t_sync
-    per_step = mtp_tokens_per_step(cfg.mtp_drafts, cfg.mtp_acceptance) if model.mtp_layers else 1.0
+    per_step = mtp_tokens_per_step(cfg.mtp_drafts, cfg.mtp_acceptance)
     tpot = step / per_step
     breakdown = {"moe_layers": model.moe_layers * t_moe_layer * 1e3,
                  "dense_layers": (model.layers - model.moe_layers) * t_dense_layer * 1e3,

@@ -102,3 +102,12 @@ def test_sptp_wins_on_mixed_lengths():
     b = prefill_balance(CM, R1, [32768] + [2048] * 63, devices=32)
     assert b.dp_efficiency < 0.5
     assert b.speedup > 2
+
+
+def test_model_without_mtp_module_does_not_draft():
+    """A config without num_nextn_predict_layers decodes one token per step even if MTP is asked for."""
+    no_mtp = replace(R1, mtp_layers=0)
+    asked = decode_step(CM, no_mtp, DecodeConfig(32, 4096, mtp_drafts=1))
+    plain = decode_step(CM, R1, DecodeConfig(32, 4096, mtp_drafts=0))
+    assert asked.tokens_per_step == 1
+    assert asked.step_ms == pytest.approx(plain.step_ms)

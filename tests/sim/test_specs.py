@@ -77,3 +77,16 @@ def test_bad_top_k_is_rejected():
         model_from_config({"hidden_size": 8, "num_attention_heads": 2, "num_hidden_layers": 1,
                            "intermediate_size": 16, "vocab_size": 10, "n_routed_experts": 4,
                            "num_experts_per_tok": 5}, "bad")
+
+
+def test_deepseek_v2_lite_config_without_q_lora():
+    """DeepSeek-V2-Lite's config (q_lora_rank null, 64 experts top-6, 2 shared): 15.7 B total,
+    2.4 B activated, as its model card says."""
+    cfg = dict(hidden_size=2048, num_hidden_layers=27, num_attention_heads=16, intermediate_size=10944,
+               moe_intermediate_size=1408, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
+               first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
+               qk_rope_head_dim=64, v_head_dim=128, vocab_size=102400)
+    m = model_from_config(cfg, "v2-lite")
+    assert m.q_lora_rank == 0 and m.mtp_layers == 0
+    assert m.total_params() / 1e9 == pytest.approx(15.7, abs=0.1)
+    assert m.activated_params_per_token() / 1e9 == pytest.approx(2.4, abs=0.1)
