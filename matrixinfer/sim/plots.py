@@ -49,8 +49,8 @@ def plot_allocation(rates: dict[int, list[tuple[float, float]]], path: str | Pat
     """rates: supernode size -> [(mean block size, allocation rate)]."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for size, pts in sorted(rates.items()):
-        ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], marker=".", label=f"S = {size}")
-    _finish(ax, "mean block size (devices)", "NPU allocation rate (%)", "Allocation rate vs mean block size")
+        ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], marker=".", label=f"S = {size} NPUs")
+    _finish(ax, "mean block size (NPUs)", "NPU allocation rate (%)", "Allocation rate vs mean block size")
     return _save(fig, path)
 
 
