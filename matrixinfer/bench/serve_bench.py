@@ -1,0 +1,329 @@
+"""`matrixinfer bench serve`: online load against the token service.
+
+Requests arrive as a Poisson process at each offered rate; each one streams (SSE) so that
+time to first token (TTFT) and time per output token (TPOT) are measured as a client sees
+them. Prompts are token ids of a fixed length and outputs a fixed length (ignore_eos), so
+rates are comparable. Multi-turn mode runs conversations instead: each turn resends the
+whole history plus a new user message (chat endpoint), which is what the prefix cache is
+for; the report then splits first turns from follow-up turns.
+
+Against --url, or a server it starts itself (`matrixinfer serve` in a subprocess).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+from tqdm import tqdm
+
+from matrixinfer.bench.report import bench_dir, markdown_table, save_json, write_section
+from matrixinfer.engine.llm import DEFAULT_MODEL
+
+WORDS = ("alpha beta gamma delta prefill decode expert router cache page block token latent "
+         "attention matrix supernode memory pool namespace tenant stream").split()
+
+
+@dataclass
+class Result:
+    ok: bool
+    start: float
+    ttft: float | None = None
+    e2e: float | None = None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    turn: int = 0
+    error: str = ""
+
+    @property
+    def tpot(self) -> float | None:
+        if self.ttft is None or self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+@dataclass
+class Workload:
+    url: str
+    model: str
+    input_len: int
+    output_len: int
+    headers: dict = field(default_factory=dict)
+    token_pool: list[int] = field(default_factory=list)
+
+
+async def stream_request(client: httpx.AsyncClient, w: Workload, path: str, body: dict, turn: int = 0,
+                         on_text=None) -> Result:
+    """Send one streaming request; time its first token and its end; read usage from the
+    final chunk."""
+    body = {**body, "model": w.model, "stream": True, "stream_options": {"include_usage": True},
+            "max_tokens": w.output_len, "ignore_eos": True, "temperature": 0}
+    t0 = time.perf_counter()
+    r = Result(ok=False, start=t0, turn=turn)
+    text = []
+    try:
+        async with client.stream("POST", w.url + path, json=body, headers=w.headers) as resp:
+            if resp.status_code != 200:
+                r.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return r
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    u = chunk["usage"]
+                    r.prompt_tokens, r.output_tokens = u["prompt_tokens"], u["completion_tokens"]
+                    r.cached_tokens = u["prompt_tokens_details"]["cached_tokens"]
+                for c in chunk.get("choices", []):
+                    piece = c.get("text") if "text" in c else (c.get("delta") or {}).get("content")
+                    if piece and r.ttft is None:
+                        r.ttft = time.perf_counter() - t0
+                    if piece:
+                        text.append(piece)
+        r.e2e = time.perf_counter() - t0
+        if r.ttft is None:  # all tokens decoded to nothing visible: count the end as first token
+            r.ttft = r.e2e
+        r.ok = r.output_tokens > 0
+    except (httpx.HTTPError, json.JSONDecodeError, KeyError) as e:
+        r.error = f"{type(e).__name__}: {e}"
+    if on_text is not None:
+        on_text("".join(text))
+    return r
+
+
+def _words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+async def run_single_turn(w: Workload, rate: float, num_requests: int, rng: random.Random, bar) -> list[Result]:
+    async def one(delay: float, prompt: list[int]) -> Result:
+        await asyncio.sleep(delay)
+        r = await stream_request(client, w, "/v1/completions", {"prompt": prompt})
+        bar.update(1)
+        return r
+
+    arrivals = np.cumsum([rng.expovariate(rate) for _ in range(num_requests)])
+    prompts = []
+    for _ in range(num_requests):
+        at = rng.randrange(max(1, len(w.token_pool) - w.input_len))
+        prompts.append(w.token_pool[at:at + w.input_len])
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=1024)) as client:
+        return await asyncio.gather(*(one(float(a), p) for a, p in zip(arrivals, prompts)))
+
+
+async def run_multi_turn(w: Workload, rate: float, conversations: int, turns: int, rng: random.Random,
+                         bar) -> list[Result]:
+    """Conversations arrive at `rate`; each sends its turns back to back, with the history."""
+    words_per_turn = max(1, w.input_len // 2)
+
+    async def conversation(delay: float, seed: int) -> list[Result]:
+        await asyncio.sleep(delay)
+        crng, messages, results = random.Random(seed), [], []
+        for turn in range(turns):
+            messages.append({"role": "user", "content": _words(crng, words_per_turn)})
+            reply = []
+            r = await stream_request(client, w, "/v1/chat/completions", {"messages": list(messages)}, turn,
+                                     on_text=reply.append)
+            results.append(r)
+            bar.update(1)
+            if not r.ok:
+                break
+            messages.append({"role": "assistant", "content": reply[0]})
+        return results
+
+    arrivals = np.cumsum([rng.expovariate(rate) for _ in range(conversations)])
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=1024)) as client:
+        per_conv = await asyncio.gather(*(conversation(float(a), rng.randrange(2**31)) for a in arrivals))
+    return [r for conv in per_conv for r in conv]
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def summarize(results: list[Result], rate: float, duration: float) -> dict:
+    ok = [r for r in results if r.ok]
+    ttft, tpot, e2e = [r.ttft for r in ok], [r.tpot for r in ok if r.tpot is not None], [r.e2e for r in ok]
+    out_tokens, in_tokens = sum(r.output_tokens for r in ok), sum(r.prompt_tokens for r in ok)
+    s = {
+        "offered_rate": rate, "requests": len(results), "completed": len(ok), "failed": len(results) - len(ok),
+        "duration_s": duration, "throughput_req_s": len(ok) / duration, "output_tok_s": out_tokens / duration,
+        "total_tok_s": (in_tokens + out_tokens) / duration, "prompt_tokens": in_tokens, "output_tokens": out_tokens,
+        "cached_fraction": sum(r.cached_tokens for r in ok) / max(1, in_tokens),
+        "errors": sorted({r.error for r in results if r.error})[:5],
+    }
+    for name, vals in (("ttft", ttft), ("tpot", tpot), ("e2e", e2e)):
+        for q in (50, 99):
+            s[f"{name}_p{q}_s"] = _pct(vals, q)
+    later = [r.ttft for r in ok if r.turn > 0]
+    if later:
+        s["ttft_first_turn_p50_s"] = _pct([r.ttft for r in ok if r.turn == 0], 50)
+        s["ttft_later_turns_p50_s"] = _pct(later, 50)
+    return s
+
+
+# -- the server under test ----------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model: str, extra: list[str]) -> tuple[subprocess.Popen, str, tempfile.TemporaryDirectory]:
+    port, tmp = _free_port(), tempfile.TemporaryDirectory(prefix="mi-bench-serve-")
+    cmd = [sys.executable, "-m", "matrixinfer.cli", "serve", "--model", model, "--port", str(port),
+           "--keys-db", str(Path(tmp.name) / "serving.db"), *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {proc.stderr.read()[-2000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url, tmp
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.terminate()
+    raise RuntimeError("server did not come up in 600 s")
+
+
+def _workload(args, url: str) -> Workload:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    models = httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"][0]
+    rng = random.Random(args.seed)
+    text = _words(rng, 4 * args.input_len + 64)
+    pool = httpx.post(url + "/tokenize", json={"prompt": text, "add_special_tokens": False}, headers=headers,
+                      timeout=30).json()["tokens"]
+    if args.input_len + args.output_len > models["max_model_len"]:
+        raise SystemExit(f"input {args.input_len} + output {args.output_len} tokens exceed the model's context "
+                         f"({models['max_model_len']})")
+    return Workload(url, models["id"], args.input_len, args.output_len, headers, pool)
+
+
+def _plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = [r["offered_rate"] for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, metric, label in ((axes[0], "ttft", "TTFT (s)"), (axes[1], "tpot", "TPOT (s)")):
+        for q, style in ((50, "o-"), (99, "s--")):
+            ax.plot(rates, [r[f"{metric}_p{q}_s"] or float("nan") for r in rows], style, label=f"p{q}")
+        ax.set_xlabel("offered load (requests/s)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(args) -> int:
+    proc = tmp = None
+    url = args.url
+    if url is None:
+        extra = ["--max-num-seqs", str(args.max_num_seqs)] + (["--dtype", args.dtype] if args.dtype else [])
+        print(f"starting `matrixinfer serve --model {args.model}` ...", file=sys.stderr)
+        proc, url, tmp = start_server(args.model, extra)
+    url = url.rstrip("/")
+    try:
+        w = _workload(args, url)
+        rng = random.Random(args.seed)
+        rows = []
+        mode = f"multi-turn ({args.turns} turns)" if args.multi_turn else "single-turn"
+        for rate in args.rates:
+            n = args.conversations if args.multi_turn else args.num_requests
+            total = n * (args.turns if args.multi_turn else 1)
+            with tqdm(total=total, desc=f"rate {rate}/s", file=sys.stderr) as bar:
+                t0 = time.perf_counter()
+                if args.multi_turn:
+                    results = asyncio.run(run_multi_turn(w, rate, n, args.turns, rng, bar))
+                else:
+                    results = asyncio.run(run_single_turn(w, rate, n, rng, bar))
+                duration = time.perf_counter() - t0
+            rows.append(summarize(results, rate, duration))
+            print(json.dumps(rows[-1]), file=sys.stderr)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=30)
+            tmp.cleanup()
+    report = {"model": w.model, "url": args.url or "started by the benchmark", "mode": mode,
+              "input_len": args.input_len, "output_len": args.output_len, "seed": args.seed,
+              "cpu_count": os.cpu_count(), "results": rows}
+    if args.json:
+        print(json.dumps(report))
+    if not args.no_write:
+        name = args.name + ("-multiturn" if args.multi_turn else "")
+        save_json(name, report)
+        plot = bench_dir() / f"{name}.png"
+        _plot(rows, plot, f"{w.model}: {mode}, {args.input_len} in / {args.output_len} out tokens")
+        _write_section(args.name, name, report, plot)
+    return 0 if all(r["failed"] == 0 for r in rows) else 1
+
+
+def _table(report: dict) -> str:
+    headers = ["offered req/s", "done", "failed", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50",
+               "TPOT p99", "E2E p50", "cached %"]
+    rows = [[r["offered_rate"], r["completed"], r["failed"], r["throughput_req_s"], r["output_tok_s"],
+             r["ttft_p50_s"], r["ttft_p99_s"], r["tpot_p50_s"], r["tpot_p99_s"], r["e2e_p50_s"],
+             100 * r["cached_fraction"]] for r in report["results"]]
+    return markdown_table(headers, [[("-" if v is None else v) for v in row] for row in rows])
+
+
+def _write_section(section: str, name: str, report: dict, plot: Path) -> None:
+    """The section holds one table per mode; each run rewrites its own mode's table."""
+    parts = {}
+    for mode_name in (section, section + "-multiturn"):
+        path = bench_dir() / f"{mode_name}.json"
+        if path.exists():
+            parts[mode_name] = json.loads(path.read_text())
+    md = ["## Token service under online load (`matrixinfer bench serve`)", "",
+          "Poisson arrivals against `matrixinfer serve` over HTTP, streaming; latencies in seconds as the "
+          "client sees them. Machine: CPU only, shared."]
+    for mode_name, rep in parts.items():
+        md += ["", f"### {rep['mode']}: model `{rep['model']}`, {rep['input_len']} prompt tokens"
+                   f"{' per user turn' if 'multi' in rep['mode'] else ''}, {rep['output_len']} output tokens", "",
+               _table(rep), "", f"![latency against load]({mode_name}.png)"]
+        extra = [r for r in rep["results"] if "ttft_later_turns_p50_s" in r]
+        if extra:
+            md += ["", "TTFT p50, first turn vs later turns (prefix cache): " + ", ".join(
+                f"{r['offered_rate']}/s: {r['ttft_first_turn_p50_s']:.3f} s vs {r['ttft_later_turns_p50_s']:.3f} s"
+                for r in extra)]
+    write_section(section, "\n".join(md))
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--url", default=None, help="a running server (default: start one on --model)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="model for the server the benchmark starts")
+    p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--api-key", default=os.environ.get("MATRIXINFER_API_KEY"))
+    p.add_argument("--rates", type=float, nargs="+", default=[1.0, 2.0, 4.0], help="offered loads, requests/s")
+    p.add_argument("--num-requests", type=int, default=32, help="requests per rate (single-turn)")
+    p.add_argument("--input-len", type=int, default=64, help="prompt tokens (per user turn in multi-turn mode)")
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--multi-turn", action="store_true", help="conversations: each turn resends the history")
+    p.add_argument("--conversations", type=int, default=8, help="conversations per rate (multi-turn)")
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--name", default="serve", help="benchmarks/<name>.json and the BENCHMARKS.md section")
+    p.add_argument("--no-write", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON line")

@@ -1,0 +1,331 @@
+"""The OpenAI-compatible HTTP API: a FastAPI app over any EngineClient.
+
+One request's path: authenticate the key -> tenant; validate and tokenize; admit against the
+tenant's quotas and rate limits; `engine.generate` with the tenant as cache namespace; answer
+(JSON or server-sent events); meter the tokens into the ledger and the metrics, also when
+the client went away (its request is aborted and its cache blocks freed).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from contextlib import aclosing
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from matrixinfer.engine.sampling_params import SamplingParams
+from matrixinfer.serving import protocol as p
+from matrixinfer.serving.async_engine import EngineClient, GenerateRequest
+from matrixinfer.serving.ledger import UsageLedger
+from matrixinfer.serving.limits import LimitExceeded, Limiter
+from matrixinfer.serving.metrics import ServingMetrics
+from matrixinfer.serving.openai_format import ChatFormatter, ChoiceStream, CompletionFormatter, Formatter, usage
+from matrixinfer.serving.tenants import ANONYMOUS, Tenant, TenantStore
+
+MAX_STOP_STRINGS = 4
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error", headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+        self.headers = headers
+
+
+def error_response(status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                   code: str | None = None, headers: dict | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": type, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _validation_error(exc: RequestValidationError) -> JSONResponse:
+    err = exc.errors()[0]
+    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    # pydantic reports union members as extra loc parts (e.g. prompt.str); keep the field path
+    loc = [x for x in loc if x not in ("str", "list[int]", "list[str]", "list[TextPart]", "int", "float")
+           and not x.startswith("function-")]
+    param = ".".join(loc) or None
+    if err.get("type") == "extra_forbidden":
+        message = f"Unrecognized request argument supplied: {param}"
+    elif err.get("type") == "json_invalid":
+        message, param = f"The request body is not valid JSON: {err.get('msg')}", None
+    else:
+        message = f"{param or 'body'}: {err.get('msg')}"
+    return error_response(400, message, param=param, code="invalid_value" if param else None)
+
+
+_ERRORS = {status: {"model": p.ErrorResponse} for status in (400, 401, 404, 429)}
+_GENERATE_RESPONSES = {**_ERRORS, 200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+
+
+class TokenService:
+    """The state behind the routes: the engine, tenants, ledger, limiter and metrics."""
+
+    def __init__(self, engine: EngineClient, tenants: TenantStore | None = None, ledger: UsageLedger | None = None):
+        self.engine = engine
+        self.tenants = tenants
+        self.ledger = ledger
+        self.limiter = Limiter(ledger)
+        self.metrics = ServingMetrics(engine)
+
+    # -- tenants --------------------------------------------------------------------------------
+    def authenticate(self, creds: HTTPAuthorizationCredentials | None) -> Tenant:
+        if self.tenants is None or not self.tenants.has_keys():
+            return Tenant(ANONYMOUS)
+        if creds is None or not creds.credentials:
+            self.metrics.rejected("unauthenticated")
+            raise APIError(401, "You didn't provide an API key. Send it as 'Authorization: Bearer <key>' "
+                                "(make one with `matrixinfer keys add --tenant NAME`).", code="missing_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+        tenant = self.tenants.authenticate(creds.credentials)
+        if tenant is None:
+            self.metrics.rejected("unauthenticated")
+            raise APIError(401, "Incorrect API key provided.", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+        return tenant
+
+    # -- request -> engine request --------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.engine.model_name:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves "
+                                f"`{self.engine.model_name}`.", param="model", code="model_not_found")
+
+    def tokenize_prompt(self, prompt: str | list[int], param: str = "prompt", add_special_tokens: bool = True) -> list[int]:
+        tok = self.engine.tokenizer
+        if isinstance(prompt, str):
+            if tok is None:
+                raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param=param)
+            ids = tok.encode(prompt, add_special_tokens=add_special_tokens)
+        else:
+            ids = list(prompt)
+            vocab = self.engine.vocab_size
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", param=param)
+        if not ids:
+            raise APIError(400, "the prompt is empty", param=param)
+        return ids
+
+    def chat_prompt(self, messages: list[p.ChatMessage]) -> list[int]:
+        tok = self.engine.tokenizer
+        if tok is None or not tok.chat_template:
+            raise APIError(400, "this model has no chat template: use /v1/completions", param="messages")
+        msgs = []
+        for m in messages:
+            content = m.content if isinstance(m.content, str) else "".join(part.text for part in m.content or [])
+            msgs.append({"role": m.role, "content": content, **({"name": m.name} if m.name else {})})
+        try:
+            text = tok.apply_chat_template(msgs, add_generation_prompt=True)
+        except Exception as e:  # the template's own raise_exception(), or a bad template
+            raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from e
+        return self.tokenize_prompt(text, param="messages")
+
+    def sampling_params(self, body: p._SamplingRequest, prompt_len: int, max_tokens: int | None,
+                        logprobs: int | None, prompt_param: str) -> SamplingParams:
+        limit = self.engine.max_model_len
+        if prompt_len >= limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens, and your prompt has "
+                                f"{prompt_len} tokens (at least one must be left for the completion). "
+                                "Please shorten the prompt.", param=prompt_param, code="context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = limit - prompt_len
+        elif prompt_len + max_tokens > limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
+                                "completion). Please reduce the prompt or max_tokens.",
+                           param="max_tokens", code="context_length_exceeded")
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
+            raise APIError(400, f"stop must be at most {MAX_STOP_STRINGS} non-empty strings", param="stop")
+        try:
+            return SamplingParams(
+                n=body.n, temperature=1.0 if body.temperature is None else body.temperature,
+                top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or -1,
+                min_p=body.min_p or 0.0, seed=body.seed, max_tokens=max_tokens, stop=stop or None,
+                ignore_eos=body.ignore_eos, logprobs=logprobs,
+            )
+        except ValueError as e:
+            raise APIError(400, str(e)) from e
+
+    # -- generation -----------------------------------------------------------------------------
+    async def generate(self, raw: Request, tenant: Tenant, body: p._SamplingRequest, ids: list[int],
+                       params: SamplingParams, fmt: Formatter, prompt_param: str) -> Response:
+        try:
+            self.limiter.admit(tenant, len(ids))
+        except LimitExceeded as e:
+            self.metrics.rejected(e.code)
+            raise APIError(429, str(e), code=e.code, type="rate_limit_error" if e.code != "insufficient_quota"
+                           else "insufficient_quota", headers={"Retry-After": str(e.retry_after)}) from e
+        arrival = time.monotonic()
+        req = GenerateRequest(fmt.request_id, ids, params, namespace=tenant.name, arrival_time=arrival)
+        stream = self.engine.generate(req)
+        try:
+            first = await anext(stream)
+        except ValueError as e:
+            await stream.aclose()
+            raise APIError(400, str(e), param=prompt_param) from e
+        meter = _Meter(self, tenant, body.user, arrival, first)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(self._events(stream, meter, fmt, params, include_usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        async with aclosing(stream):
+            try:
+                while not meter.last.finished:
+                    if await raw.is_disconnected():
+                        break
+                    meter.last = await anext(stream)
+            except Exception as e:
+                meter.close()
+                raise APIError(500, f"generation failed: {e}", type="server_error") from e
+        meter.close()
+        return JSONResponse(fmt.response(meter.last))
+
+    async def _events(self, stream, meter: "_Meter", fmt: Formatter, params: SamplingParams, include_usage: bool):
+        holdback = max((len(s) for s in params.stop_list), default=1) - 1
+        choices = [ChoiceStream(holdback) for _ in range(params.n)]
+        try:
+            async with aclosing(stream):
+                for chunk in fmt.stream_start(params.n):
+                    yield _sse(chunk, include_usage)
+                while True:
+                    for out, cs in zip(meter.last.outputs, choices):
+                        d = cs.delta(out)
+                        if d is not None and (d[0] or d[2] or fmt.num_logprobs is not None):
+                            yield _sse(fmt.chunk([fmt.choice(out, *d, delta=True)]), include_usage)
+                    if meter.last.finished:
+                        break
+                    meter.last = await anext(stream)
+            if include_usage:
+                yield f"data: {json.dumps(fmt.chunk([], usage(meter.last), with_usage=True))}\n\n"
+        except Exception as e:
+            if not isinstance(e, GeneratorExit):
+                err = {"error": {"message": f"generation failed: {e}", "type": "server_error", "param": None,
+                                 "code": None}}
+                yield f"data: {json.dumps(err)}\n\n"
+        finally:
+            meter.close()
+        yield "data: [DONE]\n\n"
+
+
+def _sse(chunk: dict, include_usage: bool) -> str:
+    if include_usage:
+        chunk.setdefault("usage", None)
+    return f"data: {json.dumps(chunk)}\n\n"
+
+
+class _Meter:
+    """Meters one request once, when it ends for any reason: ledger, limiter, metrics."""
+
+    def __init__(self, service: TokenService, tenant: Tenant, end_user: str | None, arrival: float, first):
+        self.service, self.tenant, self.end_user, self.arrival = service, tenant, end_user, arrival
+        self.last = first
+        self.closed = False
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        s, out = self.service, self.last
+        u = usage(out)
+        if s.ledger is not None:
+            s.ledger.record(self.tenant.name, s.engine.model_name, out.request_id, u["prompt_tokens"],
+                            u["prompt_tokens_details"]["cached_tokens"], u["completion_tokens"],
+                            end_user=self.end_user, finish=",".join(o.finish_reason or "abort" for o in out.outputs))
+        s.limiter.finish(self.tenant, u["prompt_tokens"], u["completion_tokens"])
+        first = out.metrics.get("first_token_time")
+        s.metrics.observe(self.tenant.name, u["prompt_tokens"], u["completion_tokens"],
+                          None if first is None else first - self.arrival, time.monotonic() - self.arrival,
+                          max((len(o.token_ids) for o in out.outputs), default=0),
+                          [o.finish_reason for o in out.outputs])
+
+
+def build_app(engine: EngineClient, tenants: TenantStore | None = None, ledger: UsageLedger | None = None) -> FastAPI:
+    """The HTTP app over `engine`. Without a tenant store (or with one holding no keys) every
+    request is served as the anonymous tenant."""
+    service = TokenService(engine, tenants, ledger)
+    app = FastAPI(title="matrixinfer token service", version="0.1.0",
+                  description="OpenAI-compatible completions and chat over matrixinfer, metered per tenant.")
+    app.state.service = service
+    bearer = HTTPBearer(auto_error=False)
+
+    async def tenant_of(creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> Tenant:
+        return service.authenticate(creds)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_, exc: APIError):
+        return error_response(exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_, exc: RequestValidationError):
+        service.metrics.rejected("invalid_request")
+        return _validation_error(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+
+    @app.post("/v1/completions", response_model=p.CompletionResponse, responses=_GENERATE_RESPONSES)
+    async def completions(body: p.CompletionRequest, raw: Request, tenant: Tenant = Depends(tenant_of)):
+        service.check_model(body.model)
+        ids = service.tokenize_prompt(body.prompt)
+        params = service.sampling_params(body, len(ids), body.max_tokens, body.logprobs, "prompt")
+        fmt = CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", engine.model_name, engine.tokenizer, body.logprobs)
+        return await service.generate(raw, tenant, body, ids, params, fmt, "prompt")
+
+    @app.post("/v1/chat/completions", response_model=p.ChatCompletionResponse, responses=_GENERATE_RESPONSES)
+    async def chat_completions(body: p.ChatCompletionRequest, raw: Request, tenant: Tenant = Depends(tenant_of)):
+        service.check_model(body.model)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+        if body.max_tokens is not None and body.max_completion_tokens is not None:
+            raise APIError(400, "give max_tokens or max_completion_tokens, not both", param="max_completion_tokens")
+        ids = service.chat_prompt(body.messages)
+        num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = service.sampling_params(body, len(ids), body.max_completion_tokens or body.max_tokens,
+                                         num_logprobs, "messages")
+        fmt = ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", engine.model_name, engine.tokenizer, num_logprobs)
+        return await service.generate(raw, tenant, body, ids, params, fmt, "messages")
+
+    @app.get("/v1/models", response_model=p.ModelList, responses=_ERRORS)
+    async def models(_: Tenant = Depends(tenant_of)):
+        return {"object": "list", "data": [{"id": engine.model_name, "object": "model", "created": 0,
+                                            "owned_by": "matrixinfer", "max_model_len": engine.max_model_len}]}
+
+    @app.post("/tokenize", response_model=p.TokenizeResponse, responses=_ERRORS)
+    async def tokenize(body: p.TokenizeRequest, _: Tenant = Depends(tenant_of)):
+        service.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", param="prompt")
+        if body.messages is not None:
+            ids = service.chat_prompt(body.messages)
+        else:
+            if engine.tokenizer is None:
+                raise APIError(400, "this model has no tokenizer", param="prompt")
+            ids = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+
+    @app.post("/detokenize", response_model=p.DetokenizeResponse, responses=_ERRORS)
+    async def detokenize(body: p.DetokenizeRequest, _: Tenant = Depends(tenant_of)):
+        service.check_model(body.model)
+        if engine.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer", param="tokens")
+        ids = service.tokenize_prompt(body.tokens, param="tokens") if body.tokens else []
+        return {"prompt": engine.tokenizer.decode(ids)}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": engine.model_name}
+
+    @app.get("/metrics", response_class=Response)
+    async def metrics():
+        return Response(service.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app

@@ -1,0 +1,79 @@
+"""Prometheus metrics with vLLM's names under the `matrixinfer:` prefix. Engine state
+(running/waiting, KV usage, prefix cache) is read from the engine's stats at scrape time;
+latencies and tokens are observed by the API as requests finish."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+P = "matrixinfer:"
+disable_created_metrics()  # no *_created series, as in vLLM
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0)
+
+
+class _EngineCollector:
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        s, model = self.engine.stats(), [self.engine.model_name]
+        for name, doc, value in [
+            ("num_requests_running", "Sequences being computed.", s.num_running),
+            ("num_requests_waiting", "Sequences waiting to be scheduled.", s.num_waiting),
+            ("kv_cache_usage_perc", "KV-cache usage, 1 means 100 percent.", s.kv_cache_usage),
+        ]:
+            g = GaugeMetricFamily(P + name, doc, labels=["model_name"])
+            g.add_metric(model, value)
+            yield g
+        for name, doc, value in [
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
+            ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
+        ]:
+            c = CounterMetricFamily(P + name, doc, labels=["model_name"])
+            c.add_metric(model, value)
+            yield c
+
+
+class ServingMetrics:
+    def __init__(self, engine):
+        self.model_name = engine.model_name
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token.", ["model_name"],
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram(P + "time_per_output_token_seconds", "Mean time per output token after the first, "
+                              "per request.", ["model_name"], buckets=TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram(P + "e2e_request_latency_seconds", "Request latency from arrival to last token.",
+                             ["model_name"], buckets=E2E_BUCKETS, registry=r)
+        self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens processed.", ["model_name", "tenant"],
+                                     registry=r)
+        self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated.", ["model_name", "tenant"],
+                                         registry=r)
+        self.request_success = Counter(P + "request_success", "Finished requests.", ["model_name", "finished_reason"],
+                                       registry=r)
+        self.request_rejected = Counter(P + "request_rejected", "Requests refused before admission.",
+                                        ["model_name", "reason"], registry=r)
+        r.register(_EngineCollector(engine))
+
+    def observe(self, tenant: str, prompt_tokens: int, completion_tokens: int, ttft: float | None, e2e: float,
+                longest_choice: int, finish_reasons: list[str | None]) -> None:
+        """One finished request. TPOT is over the longest choice (n > 1 choices decode together)."""
+        m = self.model_name
+        self.prompt_tokens.labels(m, tenant).inc(prompt_tokens)
+        self.generation_tokens.labels(m, tenant).inc(completion_tokens)
+        self.e2e.labels(m).observe(e2e)
+        if ttft is not None:
+            self.ttft.labels(m).observe(ttft)
+            if longest_choice > 1:
+                self.tpot.labels(m).observe((e2e - ttft) / (longest_choice - 1))
+        for reason in finish_reasons:
+            self.request_success.labels(m, reason or "abort").inc()
+
+    def rejected(self, reason: str) -> None:
+        self.request_rejected.labels(self.model_name, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
