@@ -32,6 +32,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         if p.greedy:
             continue
         probs = filter_logits(logits[i], p.temperature, p.top_k, p.top_p, p.min_p).softmax(-1)
+        if generators[i] is not None:  # per-request generators live on the CPU (reproducible anywhere)
+            probs = probs.cpu()
         tokens[i] = torch.multinomial(probs, 1, generator=generators[i]).item()
     logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
     return tokens.tolist(), logprobs
