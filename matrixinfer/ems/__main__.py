@@ -12,7 +12,8 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench")
     register(sub, bench.add_subparsers(dest="bench_command", required=True))
-    args = parser.parse_args(["ems", *(argv if argv is not None else sys.argv[1:])])
+    argv = list(argv if argv is not None else sys.argv[1:])
+    args = parser.parse_args(argv if argv[:1] == ["bench"] else ["ems", *argv])
     return int(args.func(args) or 0)
 
 

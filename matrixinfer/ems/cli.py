@@ -97,6 +97,7 @@ def register(sub, bench_sub) -> None:
     p.add_argument("--namespace", default="model-cache")
     p.add_argument("--bandwidth-mbps", type=float, default=0.0, help="throttle reads of --model (MB/s; 0 = unthrottled)")
     p.add_argument("--direct", action="store_true", help="baseline: read everything from the source, bypass EMS")
+    p.add_argument("--wait-go", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=_model_load)
 
     p = ems_sub.add_parser("source", help="serve a checkpoint directory at a capped bandwidth (object-storage stand-in)")

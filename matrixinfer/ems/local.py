@@ -108,8 +108,15 @@ class LocalCluster:
 
     def restart_server(self, i: int) -> None:
         """Same id and SSD dir: it takes back its ring slot and recovers its log."""
-        self.servers[i] = self._spawn(self.server_args(i), f"mp{i}.log")
-        self.wait_members(len(self.alive()))
+        self.servers[i] = proc = self._spawn(self.server_args(i), f"mp{i}.log")
+        deadline = time.monotonic() + 20
+        while True:  # the view may still list the dead incarnation: wait for the new address
+            view = {m["id"]: f"{m['host']}:{m['port']}" for m in call_once(self.controller, {"op": "view"})["servers"]}
+            if view.get(proc.id) == proc.addr:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"restarted server {proc.id} not in the view")
+            time.sleep(0.05)
 
     def close(self) -> None:
         procs = [*self.servers, *([self.ctl] if self.ctl else [])]

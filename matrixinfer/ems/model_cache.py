@@ -16,6 +16,7 @@ import json
 import os
 import signal
 import struct
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -231,6 +232,11 @@ def load_direct(source) -> tuple[dict[str, bytearray], LoadReport]:
 
 def load_model_cli(args) -> int:
     source = RemoteSource(args.source) if args.source else ThrottledSource(args.model, args.bandwidth_mbps * 1e6)
+    if args.wait_go:  # benchmark: N loader processes start together once all are ready
+        import torch  # noqa: F401  (imported before the clock starts, as a serving instance would)
+
+        print("ARMED", flush=True)
+        sys.stdin.readline()
     if args.direct:
         _, report = load_direct(source)
     else:
@@ -238,5 +244,5 @@ def load_model_cli(args) -> int:
             mc = ModelCache(client, source, model_name=args.model or "")
             tensors, report = mc.load()
             mc.close()
-    print(json.dumps({"model": args.model, **vars(report)}), flush=True)
+    print(json.dumps({"model": args.model, "end": time.time(), **vars(report)}), flush=True)
     return 0

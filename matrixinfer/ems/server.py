@@ -91,7 +91,8 @@ class MPServer:
             raise EMSError(f"op {op!r} takes no payload")
         return fn(h, plen, sock)
 
-    def _recv_put(self, ns: str, key: str, length: int, sock: socket.socket) -> None:
+    def _recv_value(self, ns: str, key: str, length: int, sock: socket.socket):
+        """Phase one of a put: a pending block filled from the socket (invisible until commit)."""
         try:
             blk = self.shard.begin_put(ns, key, length)
         except EMSError:
@@ -102,11 +103,11 @@ class MPServer:
         except BaseException:
             self.shard.abort_put(blk)
             raise
-        self.shard.commit_put(ns, key, blk)
+        return blk
 
     def op_put(self, h, plen, sock):
         ns, key = _ns(h), wire_key(h.get("key", ""))
-        self._recv_put(ns, key, plen, sock)
+        self.shard.commit_put(ns, key, self._recv_value(ns, key, plen, sock))
         return {"ok": True}, []
 
     def op_put_many(self, h, plen, sock):
@@ -114,14 +115,20 @@ class MPServer:
         if not isinstance(lens, list) or len(lens) != len(keys) or sum(lens) != plen or min(lens, default=0) < 0:
             drain(sock, plen)
             raise EMSError("put_many: lens must match keys and the payload")
-        stored = []
-        for key, n in zip(keys, lens):
-            try:
-                self._recv_put(ns, key, n, sock)
-                stored.append(True)
-            except EMSError:
-                stored.append(False)  # payload drained; carry on with the rest
-        return {"ok": True, "stored": stored}, []
+        filled = []
+        try:
+            for key, n in zip(keys, lens):
+                try:
+                    filled.append((key, self._recv_value(ns, key, n, sock)))
+                except EMSError:
+                    filled.append((key, None))  # payload drained; carry on with the rest
+        except BaseException:
+            for _, blk in filled:
+                if blk is not None:
+                    self.shard.abort_put(blk)
+            raise
+        self.shard.commit_many(ns, [(k, b) for k, b in filled if b is not None])
+        return {"ok": True, "stored": [b is not None for _, b in filled]}, []
 
     def _read(self, ns: str, keys: list[str], shm: bool):
         """Per key: a location in the arena (same host) or a view to stream (TCP)."""

@@ -148,16 +148,23 @@ class Shard:
             self._free(blk)
 
     def commit_put(self, ns: str, key: str, blk: Block) -> None:
-        """SSD first (durable), then visible in DRAM. Raises OSError if the disk write fails."""
+        self.commit_many(ns, [(key, blk)])
+
+    def commit_many(self, ns: str, items: list[tuple[str, Block]]) -> None:
+        """SSD first (durable, one fsync per batch), then visible in DRAM.
+        Raises OSError if the disk write fails (nothing of the batch becomes visible)."""
         try:
-            blk.loc = self.ssd.put(ns, key, self.arena.data(blk.off, blk.length))
+            locs = self.ssd.put_many(ns, [(key, self.arena.data(b.off, b.length)) for key, b in items])
         except BaseException:
-            self.abort_put(blk)
+            for _, b in items:
+                self.abort_put(b)
             raise
         with self.lock:
-            self._publish(ns, key, blk)
-            self.leases.pop((ns, key), None)
-            self.n.puts += 1
+            for (key, blk), loc in zip(items, locs):
+                blk.loc = loc
+                self._publish(ns, key, blk)
+                self.leases.pop((ns, key), None)
+                self.n.puts += 1
         self._enforce_ssd_quota(ns)
 
     def _enforce_ssd_quota(self, ns: str) -> None:

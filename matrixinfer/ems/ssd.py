@@ -179,14 +179,20 @@ class SegmentLog:
             self.durable = upto
 
     def put(self, ns: str, key: str, value: memoryview) -> Loc:
-        """Returns once the record is durable (fsync policy 'always'); then it is indexed."""
-        loc = self._append(PUT, ns, key, value)
-        self._sync(loc)
+        return self.put_many(ns, [(key, value)])[0]
+
+    def put_many(self, ns: str, items: list[tuple[str, memoryview]]) -> list[Loc]:
+        """Returns once every record is durable (fsync policy 'always': one fsync for the
+        batch); only then are they indexed."""
+        locs = [self._append(PUT, ns, key, value) for key, value in items]
+        if locs:
+            self._sync(locs[-1])  # earlier segments of the batch were fsynced when rotated
         with self.lock:
-            cur = self.index.get((ns, key))
-            if cur is None or cur < loc:  # a later put of the same key wins
-                self._index_set(ns, key, loc)
-        return loc
+            for (key, _), loc in zip(items, locs):
+                cur = self.index.get((ns, key))
+                if cur is None or cur < loc:  # a later put of the same key wins
+                    self._index_set(ns, key, loc)
+        return locs
 
     def loc(self, ns: str, key: str) -> Loc | None:
         with self.lock:

@@ -135,7 +135,7 @@ def test_corrupted_ssd_record_is_a_miss_after_restart(fresh_pool, client_factory
     c2 = client_factory(fresh_pool, "crc")
     got = dict(zip(vals, c2.get_many(list(vals))))
     assert got.pop("c-2") is None
-    assert all(got[k] == vals[k] for k in got)
+    assert {k: None if got[k] is None else len(got[k]) for k in got if got[k] != vals[k]} == {}
     assert next(iter(c2.stats().values()))["corrupt_reads"] == 1
 
 
