@@ -11,7 +11,7 @@ from matrixinfer.engine.llm import DEFAULT_MODEL
 def _generate(args) -> int:
     from matrixinfer import LLM, SamplingParams
 
-    llm = LLM(model=args.model, dtype=args.dtype, seed=args.seed)
+    llm = LLM(model=args.model, dtype=args.dtype, seed=args.seed or 0)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop or None,
                             ignore_eos=args.ignore_eos)
