@@ -62,7 +62,7 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
 
 
 _ERRORS = {status: {"model": p.ErrorResponse} for status in (400, 401, 404, 429)}
-_GENERATE_RESPONSES = {**_ERRORS, 200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+_GENERATE_RESPONSES = {**_ERRORS, 200: {"content": {"text/event-stream": {"schema": p.SSE_EVENT_SCHEMA}}}}
 
 
 class TokenService:

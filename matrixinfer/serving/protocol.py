@@ -13,7 +13,7 @@ MAX_SEED = 2**63 - 1
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Request):
@@ -175,3 +175,11 @@ class ErrorDetail(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorDetail
+
+
+SSE_EVENT_SCHEMA = {
+    "type": "object", "required": ["data"],
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+    "description": "With stream=true: server-sent events, each `data: <chunk JSON>` (OpenAI's chunk format), "
+                   "the last one `data: [DONE]`.",
+}

@@ -95,10 +95,11 @@ class TenantStore:
                                      (name,)).fetchone()
         return Tenant(*row) if row else None
 
-    def add_key(self, tenant: str, **limits) -> str:
-        """A new API key for `tenant` (created if new, its limits updated with `limits`)."""
+    def add_key(self, tenant: str, key: str | None = None, **limits) -> str:
+        """A new API key for `tenant` (created if new, its limits updated with `limits`).
+        `key` imports an existing key instead of making a random one."""
         self.set_tenant(tenant, **limits)
-        key = KEY_PREFIX + secrets.token_urlsafe(32)
+        key = key or KEY_PREFIX + secrets.token_urlsafe(32)
         with self._lock:
             self._conn.execute("INSERT INTO api_keys(key_hash, prefix, tenant, created) VALUES (?, ?, ?, ?)",
                                (hash_key(key), key[:10], tenant, time.time()))
@@ -116,8 +117,9 @@ class TenantStore:
         return [(p, t, c, bool(r)) for p, t, c, r in rows]
 
     def has_keys(self) -> bool:
+        """Whether any key was ever made: revoking every key locks the server, it does not open it."""
         with self._lock:
-            return self._conn.execute("SELECT 1 FROM api_keys WHERE revoked = 0 LIMIT 1").fetchone() is not None
+            return self._conn.execute("SELECT 1 FROM api_keys LIMIT 1").fetchone() is not None
 
     def authenticate(self, key: str) -> Tenant | None:
         with self._lock:
