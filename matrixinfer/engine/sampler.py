@@ -20,6 +20,7 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
         sorted_logits, order = logits.sort(descending=True)
         cum = sorted_logits.softmax(-1).cumsum(-1)
         drop = cum - sorted_logits.softmax(-1) >= top_p  # keep the smallest set whose mass reaches top_p
+        drop[0] = False  # and always the most likely token (top_p can round to 0 in float32)
         logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
     return logits
 
