@@ -158,7 +158,7 @@ class AsyncEMSClient:
                 if n >= 0:
                     vals.append(bytes(next(views)))
                 elif loc is not None:
-                    v = reader.read_bytes(loc[0], loc[2], loc[1])
+                    v = reader.read_bytes(loc[0], loc[2], loc[1], loc[3])
                     if v is None:  # replaced while we copied: fetch over TCP
                         rr = await self._call(sid, {"op": "get_many", "keys": [k], "shm": False})
                         v = rr[1] if rr and rr[0]["lens"][0] >= 0 else None

@@ -10,6 +10,7 @@ for (see `BLOCK_HEADER`).
 from __future__ import annotations
 
 import bisect
+import fcntl
 import mmap
 import os
 import struct
@@ -18,10 +19,11 @@ import struct
 # and a reader's first touch of each 4 KiB page would otherwise cost a page fault per get.
 POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 ALIGN = 64  # cache line; also keeps tensors read out of the arena aligned
-# Block header: (token, length). The server writes the token last when an object becomes
-# visible and zeroes it first when the block is freed, so a client that sees the same
-# non-zero token before and after its copy has read bytes of exactly that object.
-BLOCK_HEADER = struct.Struct("<QQ")
+# Block header: (token, length, key check). The server writes it when an object becomes
+# visible and zeroes it first when the block is freed, so a client that sees the same random
+# token before and after its copy has read bytes of exactly that object; the key check (64
+# bits of the key's hash, see shmindex.key_tags) proves the object is the key it asked for.
+BLOCK_HEADER = struct.Struct("<QQQ")
 HEADER_BYTES = ALIGN
 
 
@@ -113,13 +115,15 @@ class Arena:
     def __init__(self, nbytes: int, path: str | None = None):
         self.path = path
         self.size = round_up(nbytes)
+        self.lock_fd = None
         if path:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                os.ftruncate(fd, self.size)
-                self.mm = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED | POPULATE)
-            finally:
-                os.close(fd)
+            os.ftruncate(fd, self.size)
+            self.mm = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED | POPULATE)
+            # Held for the life of the process (the kernel drops it when we die, even on
+            # kill -9): same-host readers test it to stop reading a dead server's memory.
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            self.lock_fd = fd
         else:
             self.mm = mmap.mmap(-1, self.size)
         self.buf = memoryview(self.mm)
@@ -131,12 +135,12 @@ class Arena:
     def data(self, off: int, length: int) -> memoryview:
         return self.buf[off + HEADER_BYTES : off + HEADER_BYTES + length]
 
-    def publish(self, off: int, token: int, length: int) -> None:
-        BLOCK_HEADER.pack_into(self.buf, off, token, length)
+    def publish(self, off: int, token: int, length: int, check: int = 0) -> None:
+        BLOCK_HEADER.pack_into(self.buf, off, token, length, check)
 
     def release(self, off: int) -> None:
         """Invalidate the header (readers notice), then give the space back."""
-        BLOCK_HEADER.pack_into(self.buf, off, 0, 0)
+        BLOCK_HEADER.pack_into(self.buf, off, 0, 0, 0)
         self.alloc.free(off)
 
     def close(self, unlink: bool = True) -> None:
@@ -145,6 +149,8 @@ class Arena:
             self.mm.close()
         except BufferError:
             pass  # a request thread still holds a view; the mapping goes with the process
+        if self.lock_fd is not None:
+            os.close(self.lock_fd)
         if unlink and self.path:
             try:
                 os.unlink(self.path)
@@ -156,28 +162,45 @@ class ArenaReader:
     """A same-host client's read-only view of a server's arena."""
 
     def __init__(self, path: str):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            self.mm = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED | POPULATE, prot=mmap.PROT_READ)
-        finally:
-            os.close(fd)
+        self.fd = os.open(path, os.O_RDONLY)
+        self.mm = mmap.mmap(self.fd, 0, flags=mmap.MAP_SHARED | POPULATE, prot=mmap.PROT_READ)
         self.buf = memoryview(self.mm)
 
-    def read_into(self, off: int, token: int, length: int, out: memoryview) -> bool:
-        """Copy the value at `off` into `out`; False if the block changed under us (then ask again)."""
-        if off + HEADER_BYTES + length > len(self.buf):
-            return False
-        if BLOCK_HEADER.unpack_from(self.buf, off) != (token, length):
-            return False
-        out[:length] = self.buf[off + HEADER_BYTES : off + HEADER_BYTES + length]
-        return BLOCK_HEADER.unpack_from(self.buf, off) == (token, length)
+    def __del__(self):
+        if getattr(self, "fd", None) is not None:
+            self.close()
 
-    def read_bytes(self, off: int, token: int, length: int) -> bytes | None:
+    def server_alive(self) -> bool:
+        """False once the server process is gone: its lock on the arena file is released."""
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        return False
+
+    def read_into(self, off: int, token: int, length: int, check: int, out: memoryview) -> bool:
+        """Copy the value at `off` into `out`; False if the block is not (or no longer) that
+        object (then ask the server)."""
+        head = (token, length, check)
+        try:
+            if off + HEADER_BYTES + length > len(self.buf) or BLOCK_HEADER.unpack_from(self.buf, off) != head:
+                return False
+            out[:length] = self.buf[off + HEADER_BYTES : off + HEADER_BYTES + length]
+            return BLOCK_HEADER.unpack_from(self.buf, off) == head
+        except ValueError:
+            return False  # closed by another thread (view change): take the RPC path
+
+    def read_bytes(self, off: int, token: int, length: int, check: int) -> bytes | None:
         """The value at `off` as a new bytes object (one copy, out of shared memory)."""
-        if off + HEADER_BYTES + length > len(self.buf) or BLOCK_HEADER.unpack_from(self.buf, off) != (token, length):
-            return None
-        data = bytes(self.buf[off + HEADER_BYTES : off + HEADER_BYTES + length])
-        return data if BLOCK_HEADER.unpack_from(self.buf, off) == (token, length) else None
+        head = (token, length, check)
+        try:
+            if off + HEADER_BYTES + length > len(self.buf) or BLOCK_HEADER.unpack_from(self.buf, off) != head:
+                return None
+            data = bytes(self.buf[off + HEADER_BYTES : off + HEADER_BYTES + length])
+            return data if BLOCK_HEADER.unpack_from(self.buf, off) == head else None
+        except ValueError:
+            return None  # closed by another thread (view change): take the RPC path
 
     def close(self) -> None:
         try:
@@ -185,3 +208,6 @@ class ArenaReader:
             self.mm.close()
         except BufferError:
             pass  # a caller still holds a view; the mapping goes with the process
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None

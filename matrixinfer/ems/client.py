@@ -15,9 +15,12 @@ from .arena import ArenaReader
 from .config import ClientConfig
 from .protocol import Connection, EMSError, as_buffer, call_once, drain, parse_addr, recv_exact_into, split_payload, wire_key
 from .server import boot_id
+from .shmindex import ShmIndexReader, key_tags
 from .view import ClusterView, Member
 
 NET_ERRORS = (OSError, ConnectionError, TimeoutError)
+TOUCH_BATCH, TOUCH_EVERY_S = 256, 0.5
+ALIVE_EVERY_S = 0.1  # how often a same-host reader checks that the server still lives
 
 
 class _Server:
@@ -27,17 +30,47 @@ class _Server:
         self.member = m
         self.conn = Connection((m.host, m.port), cfg.timeout_s)
         self.reader: ArenaReader | None = None
+        self.index: ShmIndexReader | None = None
         if cfg.zero_copy and m.shm and m.boot_id == boot_id():
             try:
                 self.reader = ArenaReader(m.shm)
+                self.index = ShmIndexReader(m.idx) if m.idx else None
             except OSError:
-                self.reader = None  # not visible to us after all: use TCP
+                self.reader = self.index = None  # not visible to us after all: use TCP
         self.down_until = 0.0
+        self.hits: list[str] = []  # keys read through the shared index, not yet reported
+        self.touched_at = self.alive_at = time.monotonic()
+
+    def shm(self) -> ArenaReader | None:
+        """The arena to read directly, if we may: not while the server is backed off, and
+        never again once its process died (its arena outlives it in /dev/shm: stale data).
+        Callers keep the returned reader (another thread may drop ours meanwhile)."""
+        reader, now = self.reader, time.monotonic()
+        if reader is None or self.down_until > now:
+            return None
+        if now - self.alive_at > ALIVE_EVERY_S:
+            self.alive_at = now
+            if not reader.server_alive():
+                self.reader = self.index = None  # closed when the last user lets go
+                self.down_until = now + 1.0
+                return None
+        return reader
+
+    def local_loc(self, ns: str, key: str) -> tuple[int, int, int, int] | None:
+        """(offset, length, token, check) from the shared index; still to be verified."""
+        index = self.index
+        if index is None:
+            return None
+        tag, check = key_tags(ns, key)
+        loc = index.find(tag)
+        return None if loc is None else (*loc, check)
 
     def close(self) -> None:
         self.conn.close()
         if self.reader:
             self.reader.close()
+        if self.index:
+            self.index.close()
 
 
 class EMSClient:
@@ -126,7 +159,12 @@ class EMSClient:
         self.refresh_view()
         sid = self.view.owner(self.ns, k)
         s = self._server(sid) if sid else None
-        if s is not None and s.reader is not None:
+        reader = s.shm() if s is not None else None
+        if reader is not None:
+            loc = s.local_loc(self.ns, k)
+            if loc is not None and loc[1] <= len(dst) and reader.read_into(loc[0], loc[2], loc[1], loc[3], dst):
+                self._hit(sid, s, [k])
+                return loc[1]
             r = self._call(sid, {"op": "get", "key": k, "shm": True})
             if r is None:
                 return None
@@ -136,7 +174,7 @@ class EMSClient:
             if loc is not None:
                 if loc[1] > len(dst):
                     raise EMSError(f"buffer of {len(dst)} bytes too small for a {loc[1]}-byte value")
-                if s.reader.read_into(loc[0], loc[2], loc[1], dst):
+                if reader.read_into(loc[0], loc[2], loc[1], loc[3], dst):
                     return loc[1]
             # replaced under us or not in DRAM: fall through to the TCP path
 
@@ -207,33 +245,52 @@ class EMSClient:
                 out[i] = v
         return out
 
+    def _hit(self, sid: str, s: _Server, keys: list[str]) -> None:
+        """Report reads served from shared memory to the server's LRU, in batches."""
+        s.hits.extend(keys)
+        now = time.monotonic()
+        if len(s.hits) >= TOUCH_BATCH or now - s.touched_at > TOUCH_EVERY_S:
+            hits, s.hits, s.touched_at = s.hits[-4096:], [], now
+            self._call(sid, {"op": "touch", "keys": hits})
+
     def _get_group(self, sid: str | None, keys: list[str]) -> list[bytes | None]:
         s = self._server(sid) if sid else None
-        shm = s is not None and s.reader is not None
-        r = self._call(sid, {"op": "get_many", "keys": keys, "shm": shm})
-        if r is None:
-            return [None] * len(keys)
-        reply, payload = r
-        views = iter(split_payload(payload, [n for n in reply["lens"] if n >= 0]))
-        values: list[bytes | None] = []
-        retry = []
-        for i, (loc, n) in enumerate(zip(reply["locs"], reply["lens"])):
-            if n >= 0:
-                values.append(bytes(next(views)))
-            elif loc is not None:
-                v = s.reader.read_bytes(loc[0], loc[2], loc[1])  # zero-copy path: straight from the arena
+        values: list[bytes | None] = [None] * len(keys)
+        need = list(range(len(keys)))
+        reader = s.shm() if s is not None else None
+        if reader is not None:
+            # Same host: find the value through the server's shared index and copy it out
+            # of its arena, no round trip; anything not found or changed goes over RPC.
+            need, hits = [], []
+            for i, k in enumerate(keys):
+                loc = s.local_loc(self.ns, k)
+                v = None if loc is None else reader.read_bytes(loc[0], loc[2], loc[1], loc[3])
                 if v is None:
-                    retry.append(i)  # evicted or replaced while we copied: ask over TCP
-                values.append(v)
-            else:
-                values.append(None)
-        if retry:
-            r = self._call(sid, {"op": "get_many", "keys": [keys[i] for i in retry], "shm": False})
-            if r is not None:
-                reply, payload = r
-                views = iter(split_payload(payload, [n for n in reply["lens"] if n >= 0]))
-                for i, n in zip(retry, reply["lens"]):
-                    values[i] = bytes(next(views)) if n >= 0 else None
+                    need.append(i)
+                else:
+                    values[i] = v
+                    hits.append(k)
+            if hits:
+                self._hit(sid, s, hits)
+            if not need:
+                return values
+        for shm in ((True, False) if reader is not None else (False,)):
+            r = self._call(sid, {"op": "get_many", "keys": [keys[i] for i in need], "shm": shm})
+            if r is None:
+                return values
+            reply, payload = r
+            views = iter(split_payload(payload, [n for n in reply["lens"] if n >= 0]))
+            retry = []
+            for i, loc, n in zip(need, reply["locs"], reply["lens"]):
+                if n >= 0:
+                    values[i] = bytes(next(views))
+                elif loc is not None:
+                    values[i] = reader.read_bytes(loc[0], loc[2], loc[1], loc[3])
+                    if values[i] is None:
+                        retry.append(i)  # evicted or replaced while we copied: ask over TCP
+            need = retry
+            if not need:
+                break
         return values
 
     # -- admin ------------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ class Controller:
         sid = h.get("id")
         if not isinstance(sid, str) or not isinstance(h.get("port"), int):
             raise EMSError("register needs id and port")
-        member = {k: h.get(k) for k in ("id", "host", "port", "shm", "boot_id")}
+        member = {k: h.get(k) for k in ("id", "host", "port", "shm", "idx", "boot_id")}
         if self.members.get(sid) != member:
             self.members[sid] = member
             self.version += 1

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 
 from .protocol import call_once
@@ -38,6 +39,7 @@ class LocalCluster:
     heartbeat_s: float = 0.2
     servers: list[Proc] = field(default_factory=list)
     ctl: Proc | None = None
+    tag: str = field(default_factory=lambda: uuid.uuid4().hex[:8])  # unique server ids per pool
 
     def __enter__(self):
         self.start()
@@ -79,7 +81,7 @@ class LocalCluster:
 
     def server_args(self, i: int) -> list[str]:
         return ["server", "--controller", self.controller, "--ssd-dir", os.path.join(self.root, f"mp{i}"),
-                "--dram-bytes", str(self.dram_bytes), "--fsync", self.fsync, "--heartbeat", str(self.heartbeat_s), "--id", f"mp{i}-{os.getpid()}"]
+                "--dram-bytes", str(self.dram_bytes), "--fsync", self.fsync, "--heartbeat", str(self.heartbeat_s), "--id", f"mp{i}-{self.tag}"]
 
     def add_server(self, wait: bool = True) -> int:
         i = len(self.servers)

@@ -19,6 +19,7 @@ from .arena import Arena
 from .config import ServerConfig
 from .protocol import EMSError, RPCServer, call_once, drain, recv_exact_into, wire_key
 from .shard import Quota, Shard
+from .shmindex import ShmIndex, slots_for
 from .ssd import SegmentLog
 
 MAX_BATCH = 4096
@@ -48,6 +49,16 @@ def server_id_for(cfg: ServerConfig) -> str:
     return sid
 
 
+def _pid_alive(pid: str) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _ns(header: dict) -> str:
     ns = header.get("ns")
     if not isinstance(ns, str) or not ns or len(ns) > 255:
@@ -68,10 +79,12 @@ class MPServer:
         os.makedirs(cfg.ssd_dir, exist_ok=True)
         self.id = server_id_for(cfg)
         for stale in glob.glob(os.path.join(cfg.shm_dir, f"mi-ems-{self.id}-*")):
-            os.unlink(stale)  # left by a killed predecessor with our id
+            if not _pid_alive(stale.rsplit("-", 1)[1].split(".")[0]):
+                os.unlink(stale)  # left by a killed predecessor with our id
         self.shm_path = os.path.join(cfg.shm_dir, f"mi-ems-{self.id}-{os.getpid()}")
         self.arena = Arena(cfg.dram_bytes, self.shm_path)
-        self.shard = Shard(self.arena, SegmentLog(cfg.ssd_dir, cfg.segment_bytes, cfg.fsync))
+        self.shm_index = ShmIndex(self.shm_path + ".idx", slots_for(cfg.dram_bytes))
+        self.shard = Shard(self.arena, SegmentLog(cfg.ssd_dir, cfg.segment_bytes, cfg.fsync), self.shm_index)
         self.rpc = RPCServer(cfg.host, cfg.port, self.handle)
         self.n_servers = 1
         self.ns_version = -1
@@ -141,7 +154,7 @@ class MPServer:
                 continue
             blk, view = hit
             if shm and blk is not None:
-                locs.append([blk.off, blk.length, blk.token])
+                locs.append([blk.off, blk.length, blk.token, blk.check])
                 lens.append(-1)
                 continue
             locs.append(None)
@@ -169,6 +182,10 @@ class MPServer:
         ns = _ns(h)
         return {"ok": True, "found": [self.shard.exists(ns, k) for k in _keys(h)]}, []
 
+    def op_touch(self, h, plen, sock):
+        self.shard.touch(_ns(h), _keys(h))
+        return {"ok": True}, []
+
     def op_delete(self, h, plen, sock):
         return {"ok": True, "deleted": self.shard.delete(_ns(h), wire_key(h.get("key", "")))}, []
 
@@ -185,7 +202,7 @@ class MPServer:
 
     # -- membership ------------------------------------------------------------------------------
     def _member(self) -> dict:
-        return {"id": self.id, "host": self.cfg.host, "port": self.rpc.port, "shm": self.shm_path, "boot_id": boot_id()}
+        return {"id": self.id, "host": self.cfg.host, "port": self.rpc.port, "shm": self.shm_path, "idx": self.shm_index.path, "boot_id": boot_id()}
 
     def _apply(self, reply: dict) -> None:
         self.n_servers = max(1, int(reply.get("n_servers", 1)))
@@ -245,6 +262,7 @@ class MPServer:
         self._stop.set()
         self.rpc.close()
         self.shard.ssd.close()
+        self.shm_index.close()
         self.arena.close()
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from .arena import HEADER_BYTES, Arena, round_up
 from .protocol import EMSError
+from .shmindex import ShmIndex, key_tags
 from .ssd import Loc, SegmentLog
 
 UNLIMITED = 1 << 62
@@ -31,6 +32,8 @@ class Block:
     ns: str
     loc: Loc | None = None  # SSD record this block caches; orders concurrent puts
     token: int = 0
+    tag: int = 0  # shmindex.key_tags of (ns, key): index slot tag
+    check: int = 0  # ... and the block header's key check
     pins: int = 0  # TCP senders still streaming from it
     dead: bool = False  # unlinked from the index; freed when the last pin goes
 
@@ -53,8 +56,8 @@ class Counters:
 
 
 class Shard:
-    def __init__(self, arena: Arena, ssd: SegmentLog):
-        self.arena, self.ssd = arena, ssd
+    def __init__(self, arena: Arena, ssd: SegmentLog, shm_index: ShmIndex | None = None):
+        self.arena, self.ssd, self.shm_index = arena, ssd, shm_index
         self.lock = threading.Lock()
         self.index: dict[tuple[str, str], Block] = {}
         self.lru: OrderedDict[tuple[str, str], None] = OrderedDict()  # global, oldest first
@@ -86,6 +89,8 @@ class Shard:
         self.lru.pop((ns, key), None)
         self.ns_lru[ns].pop(key, None)
         blk.dead = True
+        if self.shm_index is not None:
+            self.shm_index.remove(blk.tag, blk.token)
         self.arena.publish(blk.off, 0, 0)  # same-host readers see the block is gone
         if blk.pins == 0:
             self._free(blk)
@@ -129,7 +134,10 @@ class Shard:
         if cur is not None:
             self._unlink(ns, key)
         blk.token = random.getrandbits(63) | 1
-        self.arena.publish(blk.off, blk.token, blk.length)
+        blk.tag, blk.check = key_tags(ns, key)
+        self.arena.publish(blk.off, blk.token, blk.length, blk.check)
+        if self.shm_index is not None:
+            self.shm_index.insert(blk.tag, blk.off, blk.length, blk.token)
         self.index[(ns, key)] = blk
         self.lru[(ns, key)] = None
         self.ns_lru[ns][key] = None
@@ -230,6 +238,15 @@ class Shard:
             blk.pins -= 1
             if blk.pins == 0 and blk.dead:
                 self._free(blk)
+
+    def touch(self, ns: str, keys: list[str]) -> None:
+        """Same-host clients read through the shared index without asking us; they report
+        their hits in batches so the LRU still sees them."""
+        with self.lock:
+            for key in keys:
+                if (ns, key) in self.index:
+                    self._touch(ns, key)
+                    self.n.hits_dram += 1
 
     def exists(self, ns: str, key: str) -> bool:
         with self.lock:

@@ -13,6 +13,7 @@ class Member:
     host: str
     port: int
     shm: str | None = None
+    idx: str | None = None
     boot_id: str | None = None
 
 

@@ -58,10 +58,11 @@ def test_reader_sees_a_block_change_and_refuses_it():
     arena = Arena(1 << 20)
     off = arena.allocate(5)
     arena.data(off, 5)[:] = b"hello"
-    arena.publish(off, 1234, 5)
+    arena.publish(off, 1234, 5, 99)
     reader = ArenaReader.__new__(ArenaReader)
     reader.buf = arena.buf  # same mapping stands in for the client's read-only one
-    assert reader.read_bytes(off, 1234, 5) == b"hello"
+    assert reader.read_bytes(off, 1234, 5, 99) == b"hello"
+    assert reader.read_bytes(off, 1234, 5, 98) is None  # another key's check
     arena.release(off)
-    assert reader.read_bytes(off, 1234, 5) is None
+    assert reader.read_bytes(off, 1234, 5, 99) is None
     assert off % ALIGN == 0

@@ -18,24 +18,27 @@ def value_for(key: str, n: int = 8192) -> bytes:
 
 @pytest.mark.pool(n_servers=3, dram_bytes=16 << 20, heartbeat_timeout_s=1.0)
 def test_kill9_under_concurrent_load_gives_misses_not_errors_or_wrong_bytes(fresh_pool, client_factory):
-    """Four threads get/put while one server is SIGKILLed: no exception, every value returned
-    is the right one, the victim's keys turn into misses, the survivors' keys keep hitting."""
+    """Four threads (two reading through shared memory, two over TCP) get/put while one server
+    is SIGKILLed: no exception, every value returned is the right one, the victim's keys turn
+    into misses on both paths, the survivors' keys keep hitting."""
     keys = [f"load-{i}" for i in range(300)]
     loader = client_factory(fresh_pool, "load")
     assert all(loader.put_many([(k, value_for(k)) for k in keys]))
     victim = fresh_pool.servers[1].id
     victims_keys = {k for k in keys if loader.view.owner("load", k) == victim}
-    errors, wrong, misses, stop = [], [], [0], threading.Event()
+    errors, wrong, stop = [], [], threading.Event()
+    misses = {True: 0, False: 0}
 
     def worker(seed):
         rng = random.Random(seed)
-        c = client_factory(fresh_pool, "load")
+        zero_copy = seed % 2 == 0  # two same-host (shared-memory) readers, two TCP readers
+        c = client_factory(fresh_pool, "load", zero_copy=zero_copy)
         while not stop.is_set():
             try:
                 ks = rng.sample(keys, 8)
                 for k, v in zip(ks, c.get_many(ks)):
                     if v is None:
-                        misses[0] += 1
+                        misses[zero_copy] += 1
                     elif v != value_for(k):
                         wrong.append(k)
                 k = rng.choice(keys)
@@ -57,7 +60,7 @@ def test_kill9_under_concurrent_load_gives_misses_not_errors_or_wrong_bytes(fres
     for t in threads:
         t.join(30)
     assert errors == [] and wrong == []
-    assert misses[0] > 0
+    assert misses[True] > 0 and misses[False] > 0
     after = client_factory(fresh_pool, "load")
     got = dict(zip(keys, after.get_many(keys)))
     assert all(got[k] == value_for(k) for k in keys if k not in victims_keys)
@@ -153,3 +156,16 @@ def test_client_with_no_reachable_servers_only_misses(tmp_path, request):
     cl.ctl.popen.wait()
     c.refresh_view(force=True)
     assert c.get_many(["a", "b"]) == [None, None]
+
+
+@pytest.mark.pool(n_servers=1)
+def test_same_host_reader_stops_reading_a_killed_servers_memory(fresh_pool, client_factory):
+    """The arena of a SIGKILLed server stays in /dev/shm, but a same-host client notices the
+    server is gone (its file lock is released) and answers misses, not the dead memory."""
+    c = client_factory(fresh_pool, "dead")
+    c.put("k", b"v" * 1000)
+    assert c.get("k") == b"v" * 1000
+    fresh_pool.kill_server(0)
+    assert glob.glob(f"/dev/shm/mi-ems-{fresh_pool.servers[0].id}-*")  # the memory is still there
+    time.sleep(0.15)
+    assert c.get("k") is None and c.get_many(["k"]) == [None]

@@ -120,3 +120,42 @@ def test_dram_eviction_falls_back_to_ssd_and_promotes(fresh_pool, client_factory
     assert c.get_many(list(vals)) == list(vals.values())
     n = next(iter(c.stats().values()))["counters"]
     assert n["evictions_dram"] > 0 and n["hits_ssd"] > 0
+
+
+def test_same_host_reads_need_no_request_to_the_server(pool, client_factory):
+    """Values in DRAM are found through the server's shared index and copied out of its arena:
+    a same-host get/get_many/get_into sends no get request (TCP clients do)."""
+    c = client_factory(pool, "zc")
+    vals = {f"z{i}": os.urandom(70_000) for i in range(20)}
+    assert all(c.put_many(vals))
+    sent = []
+    real_call = c._call
+    c._call = lambda sid, header, *a, **kw: (sent.append(header["op"]), real_call(sid, header, *a, **kw))[1]
+    out = bytearray(70_000)
+    assert c.get_many(list(vals)) == list(vals.values())
+    assert c.get("z3") == vals["z3"] and c.get_into("z4", out) == 70_000 and out == vals["z4"]
+    assert not {"get", "get_many"} & set(sent)
+    tcp = client_factory(pool, "zc", zero_copy=False)
+    tcp_sent = []
+    real_tcp = tcp._call
+    tcp._call = lambda sid, header, *a, **kw: (tcp_sent.append(header["op"]), real_tcp(sid, header, *a, **kw))[1]
+    assert tcp.get("z3") == vals["z3"] and tcp_sent == ["get_many"]
+
+
+@pytest.mark.pool(n_servers=1, dram_bytes=2 << 20)
+def test_shared_memory_hits_keep_a_value_hot_in_the_lru(fresh_pool, client_factory, monkeypatch):
+    """Reads served from shared memory are reported to the server, so the value read most
+    recently survives DRAM eviction while colder ones are evicted."""
+    import matrixinfer.ems.client as client_mod
+
+    monkeypatch.setattr(client_mod, "TOUCH_BATCH", 1)  # report every hit at once
+    c = client_factory(fresh_pool, "lru")
+    for i in range(6):
+        c.put(f"k{i}", os.urandom(250_000))
+    assert c.get("k0") is not None  # k0 is now the most recently used
+    for i in range(6, 9):
+        c.put(f"k{i}", os.urandom(250_000))
+    s = c._server(next(iter(c.view.members)))
+    assert s.local_loc("lru", "k0") is not None  # still in DRAM
+    assert s.local_loc("lru", "k1") is None  # evicted (its bytes remain on SSD)
+    assert c.get("k1") is not None
