@@ -89,6 +89,21 @@ def test_disconnect_aborts_and_frees_cache_blocks(fresh, engine):
     assert t.requests == 1 and 0 < t.output_tokens < 100
 
 
+def test_non_stream_disconnect_aborts_too(fresh, engine):
+    """A non-streaming client that gives up (read timeout closes the connection) also has its
+    request aborted and its blocks freed, and is metered for what was made."""
+    server, _, ledger = fresh
+    llm = engine.engine
+    total = len(llm.block_manager.blocks)
+    body = {"prompt": list(range(10, 15)), "max_tokens": 120, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.05))
+    assert _wait(lambda: not llm.has_unfinished_requests() and not llm.requests)
+    assert _wait(lambda: llm.block_manager.num_free_blocks == total)
+    assert _wait(lambda: bool(ledger.totals()))
+    assert 0 < ledger.totals()[0].output_tokens < 120
+
+
 def test_stream_ends_with_done(fresh):
     """The raw event stream is `data: {json}` events and ends with `data: [DONE]`."""
     server = fresh[0]
