@@ -13,9 +13,8 @@ import asyncio
 import time
 
 from .arena import ArenaReader
-from .protocol import EMSError, as_buffer, async_recv_frame, async_send_frame, parse_addr, split_payload, wire_key
-from .server import boot_id
-from .view import ClusterView, Member
+from .protocol import EMSError, as_buffer, async_recv_frame, async_send_frame, decode_get_reply, parse_addr, wire_key
+from .view import ClusterView, Member, scatter
 
 NET_ERRORS = (OSError, ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError)
 
@@ -92,7 +91,7 @@ class AsyncEMSClient:
     def _reader(self, m: Member) -> ArenaReader | None:
         if m.id not in self._readers:
             r = None
-            if self.zero_copy and m.shm and m.boot_id == boot_id():
+            if self.zero_copy and m.same_host():
                 try:
                     r = ArenaReader(m.shm)
                 except OSError:
@@ -114,11 +113,12 @@ class AsyncEMSClient:
             self._view_at = 0.0
             return None
 
-    async def _fanout(self, keys: list[str], fn) -> list:
+    async def _fanout(self, keys: list[str], fn, fill) -> list:
+        """Await fn(server_id, indices) for every owning server concurrently; values in key order."""
         await self.refresh_view()
         groups = list(self.view.route(self.ns, keys).items())
         results = await asyncio.gather(*(fn(sid, idx) for sid, idx in groups))
-        return [(idx, r) for (_, idx), r in zip(groups, results)]
+        return scatter(len(keys), [(idx, r) for (_, idx), r in zip(groups, results)], fill)
 
     async def put(self, key, value) -> bool:
         return (await self.put_many([(key, value)]))[0]
@@ -129,20 +129,15 @@ class AsyncEMSClient:
     async def put_many(self, items) -> list[bool]:
         pairs = list(items.items() if isinstance(items, dict) else items)
         ks, bufs = [wire_key(k) for k, _ in pairs], [as_buffer(v) for _, v in pairs]
-        out = [False] * len(ks)
 
         async def one(sid, idx):
             r = await self._call(sid, {"op": "put_many", "keys": [ks[i] for i in idx], "lens": [len(bufs[i]) for i in idx]}, [bufs[i] for i in idx])
             return r[0]["stored"] if r else [False] * len(idx)
 
-        for idx, stored in await self._fanout(ks, one):
-            for i, ok in zip(idx, stored):
-                out[i] = ok
-        return out
+        return await self._fanout(ks, one, False)
 
     async def get_many(self, keys) -> list[bytes | None]:
         ks = [wire_key(k) for k in keys]
-        out: list[bytes | None] = [None] * len(ks)
 
         async def one(sid, idx):
             m = self.view.members.get(sid) if sid else None
@@ -151,12 +146,10 @@ class AsyncEMSClient:
             r = await self._call(sid, {"op": "get_many", "keys": group, "shm": reader is not None})
             if r is None:
                 return [None] * len(idx)
-            reply, payload = r
-            views = iter(split_payload(payload, [n for n in reply["lens"] if n >= 0]))
             vals = []
-            for k, loc, n in zip(group, reply["locs"], reply["lens"]):
-                if n >= 0:
-                    vals.append(bytes(next(views)))
+            for k, (view, loc) in zip(group, decode_get_reply(*r)):
+                if view is not None:
+                    vals.append(bytes(view))
                 elif loc is not None:
                     v = reader.read_bytes(loc[0], loc[2], loc[1], loc[3])
                     if v is None:  # replaced while we copied: fetch over TCP
@@ -167,23 +160,16 @@ class AsyncEMSClient:
                     vals.append(None)
             return vals
 
-        for idx, vals in await self._fanout(ks, one):
-            for i, v in zip(idx, vals):
-                out[i] = v
-        return out
+        return await self._fanout(ks, one, None)
 
     async def exists(self, keys) -> list[bool]:
         ks = [wire_key(k) for k in keys]
-        out = [False] * len(ks)
 
         async def one(sid, idx):
             r = await self._call(sid, {"op": "exists", "keys": [ks[i] for i in idx]})
             return r[0]["found"] if r else [False] * len(idx)
 
-        for idx, found in await self._fanout(ks, one):
-            for i, f in zip(idx, found):
-                out[i] = f
-        return out
+        return await self._fanout(ks, one, False)
 
     async def delete(self, key) -> bool:
         k = wire_key(key)

@@ -31,6 +31,37 @@ def round_up(n: int, a: int = ALIGN) -> int:
     return (n + a - 1) // a * a
 
 
+def create_mapping(path: str, size: int) -> tuple[int, mmap.mmap]:
+    """A new shared file of `size` bytes, mapped read/write and pre-faulted; (fd, mapping)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.ftruncate(fd, size)
+    return fd, mmap.mmap(fd, size, flags=mmap.MAP_SHARED | POPULATE)
+
+
+def open_mapping(path: str) -> tuple[int, mmap.mmap]:
+    """Another process's shared file, mapped read-only and pre-faulted; (fd, mapping)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return fd, mmap.mmap(fd, 0, flags=mmap.MAP_SHARED | POPULATE, prot=mmap.PROT_READ)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def drop_mapping(mm: mmap.mmap, view: memoryview | None = None, unlink: str | None = None) -> None:
+    try:
+        if view is not None:
+            view.release()
+        mm.close()
+    except BufferError:
+        pass  # another thread still holds a view; the mapping goes with the process
+    if unlink:
+        try:
+            os.unlink(unlink)
+        except FileNotFoundError:
+            pass
+
+
 class Allocator:
     """Best-fit variable-length allocator over [0, capacity) with coalescing on free."""
 
@@ -117,9 +148,7 @@ class Arena:
         self.size = round_up(nbytes)
         self.lock_fd = None
         if path:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-            os.ftruncate(fd, self.size)
-            self.mm = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED | POPULATE)
+            fd, self.mm = create_mapping(path, self.size)
             # Held for the life of the process (the kernel drops it when we die, even on
             # kill -9): same-host readers test it to stop reading a dead server's memory.
             fcntl.flock(fd, fcntl.LOCK_EX)
@@ -144,26 +173,16 @@ class Arena:
         self.alloc.free(off)
 
     def close(self, unlink: bool = True) -> None:
-        try:
-            self.buf.release()
-            self.mm.close()
-        except BufferError:
-            pass  # a request thread still holds a view; the mapping goes with the process
+        drop_mapping(self.mm, self.buf, self.path if unlink else None)
         if self.lock_fd is not None:
             os.close(self.lock_fd)
-        if unlink and self.path:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
 
 
 class ArenaReader:
     """A same-host client's read-only view of a server's arena."""
 
     def __init__(self, path: str):
-        self.fd = os.open(path, os.O_RDONLY)
-        self.mm = mmap.mmap(self.fd, 0, flags=mmap.MAP_SHARED | POPULATE, prot=mmap.PROT_READ)
+        self.fd, self.mm = open_mapping(path)
         self.buf = memoryview(self.mm)
 
     def __del__(self):
@@ -203,11 +222,7 @@ class ArenaReader:
             return None  # closed by another thread (view change): take the RPC path
 
     def close(self) -> None:
-        try:
-            self.buf.release()
-            self.mm.close()
-        except BufferError:
-            pass  # a caller still holds a view; the mapping goes with the process
+        drop_mapping(self.mm, self.buf)
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None

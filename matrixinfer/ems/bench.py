@@ -157,7 +157,7 @@ def _write_checkpoint(path: str, nbytes: int) -> None:
     save_file({f"layers.{i}.weight": torch.randn(per) for i in range(8)}, os.path.join(path, "model.safetensors"))
 
 
-def bench_model_cache(root: str, model_bytes: int, mbps: float, bar) -> list[dict]:
+def bench_model_cache(root: str, model_bytes: int, mbps: float, rounds: int, bar) -> list[dict]:
     ckpt = os.path.join(root, "ckpt")
     _write_checkpoint(ckpt, model_bytes)
     size = sum(os.path.getsize(os.path.join(ckpt, f)) for f in os.listdir(ckpt))
@@ -169,18 +169,23 @@ def bench_model_cache(root: str, model_bytes: int, mbps: float, bar) -> list[dic
 
             source = RemoteSource(src.addr)
             admin = EMSClient(cl.controller, "admin")
-            for n in (1, 2, 4):
-                for mode in ("direct", "ems-cold", "ems-warm"):
-                    ns = f"mc{n}"
-                    before = source.bytes_read
-                    args = ["--source", src.addr] + (["--direct"] if mode == "direct" else ["--controller", cl.controller, "--namespace", ns])
-                    reports, seconds = _run_loaders(n, args)
-                    stats = admin.stats()
-                    pool = sum(s["ns_dram_bytes"].get(ns, 0) for s in stats.values()) if mode != "direct" else 0
-                    rows.append({"instances": n, "mode": mode, "seconds": seconds, "model_bytes": size,
-                                 "source_bytes": source.bytes_read - before, "pool_dram_bytes": pool,
-                                 "host_dram_bytes": pool + n * size})  # + each instance's own loaded copy
-                    bar.update(1)
+            cells: dict[tuple, list] = {}
+            for rnd in range(rounds):
+                for n in (1, 2, 4):
+                    for mode in ("direct", "ems-cold", "ems-warm"):
+                        ns = f"mc{n}-{rnd}"  # a fresh (cold) pool namespace per round
+                        before = source.bytes_read
+                        args = ["--source", src.addr] + (["--direct"] if mode == "direct" else ["--controller", cl.controller, "--namespace", ns])
+                        reports, seconds = _run_loaders(n, args)
+                        stats = admin.stats()
+                        pool = sum(s["ns_dram_bytes"].get(ns, 0) for s in stats.values()) if mode != "direct" else 0
+                        cells.setdefault((n, mode), []).append((seconds, source.bytes_read - before, pool))
+                        bar.update(1)
+            for (n, mode), runs in cells.items():
+                seconds, src_bytes, pool = sorted(runs)[len(runs) // 2]  # the median round
+                rows.append({"instances": n, "mode": mode, "seconds": seconds, "seconds_all": [r[0] for r in runs],
+                             "model_bytes": size, "source_bytes": src_bytes, "pool_dram_bytes": pool,
+                             "host_dram_bytes": pool + n * size})  # + each instance's own loaded copy
         finally:
             src.popen.terminate()
             src.popen.wait(10)
@@ -221,6 +226,7 @@ def _plot(kv: list[dict], mc: list[dict], path: str) -> None:
         ys = [next((r["MBps"] for r in kv if r["path"] == path_ and r["servers"] == servers and r["op"] == "get" and r["value_bytes"] == s), np.nan) for s in sizes]
         a.plot([s >> 10 for s in sizes], ys, style, label=f"{path_} ({servers} server{'s' * (servers > 1)})")
     a.set_xscale("log", base=2)
+    a.set_yscale("log")
     a.set_xlabel("value size (KiB)")
     a.set_ylabel("single-client get throughput (MB/s)")
     a.set_title("EMS vs Redis, loopback")
@@ -228,6 +234,7 @@ def _plot(kv: list[dict], mc: list[dict], path: str) -> None:
     for mode, style in (("direct", "o-"), ("ems-cold", "s-"), ("ems-warm", "^-")):
         pts = [(r["instances"], r["seconds"]) for r in mc if r["mode"] == mode]
         b.plot(*zip(*pts), style, label=mode)
+    b.set_xticks([1, 2, 4])
     b.set_xlabel("instances loading concurrently")
     b.set_ylabel("time to load (s)")
     b.set_title("Model cache vs direct load from a capped source")
@@ -250,7 +257,7 @@ def _pivot(kv: list[dict], ops: list[str], cols: list[tuple[str, int]], ratio_of
     rows = []
     for size in sorted({r["value_bytes"] for r in kv}):
         for op in ops:
-            vals = [cell.get((p, n, size, op), float("nan")) for p, n in cols]
+            vals = [cell.get((p, n, size, op), "-") for p, n in cols]
             row = [f"{size >> 10} KiB", op, *vals]
             if ratio_of:
                 row.append(cell.get((*ratio_of, size, op), float("nan")) / cell.get(("redis", 1, size, op if op in ("get", f"get_many({BATCH})") else "get"), float("nan")))
@@ -269,9 +276,9 @@ def _markdown(kv: list[dict], mc: list[dict], cfg: dict, out: str) -> str:
     return "\n".join([
         f"## EMS (`matrixinfer bench ems{' --quick' if cfg['quick'] else ''}`)", "",
         f"One client process, loopback, {cfg['cpus']} CPUs shared by every process (and, when this ran, by other work on the "
-        f"machine). Median of {cfg['rounds']} rounds of {cfg['bytes_per_cfg'] >> 20} MiB per cell. `ems-shm`: the client reads "
-        "values out of the MP server's shared-memory arena (same host, one round trip for the location); `ems-tcp`: values "
-        "stream over the socket. `xN`: N MP servers. Redis: redis-server 7 on loopback, no persistence, via redis-py "
+        f"machine). Median of {cfg['rounds']} rounds of {cfg['bytes_per_cfg'] >> 20} MiB per cell. `ems-shm`: the client finds "
+        "a value through the MP server's shared-memory index and copies it out of the server's arena (same host, no request "
+        "to the server); `ems-tcp`: values stream over the socket. `xN`: N MP servers. Redis: redis-server 7 on loopback, no persistence, via redis-py "
         "(GET/MGET/SET/MSET). Raw numbers: `benchmarks/ems.json`.", "",
         "**Get throughput (MB/s)**", "",
         _pivot(kv, ["get", f"get_many({BATCH})", "get_into (reused buffer)"], gets, ("ems-shm", 1)), "",
@@ -283,7 +290,7 @@ def _markdown(kv: list[dict], mc: list[dict], cfg: dict, out: str) -> str:
         markdown_table(["value", "path", "p50", "p99"], lat), "",
         f"**Model cache.** A {cfg['model_bytes'] >> 20} MiB checkpoint; the source (object-storage stand-in) is capped at "
         f"{cfg['source_MBps']:.0f} MB/s shared by all its readers; 2 MP servers. N instances start together; time until the "
-        "last has every tensor. `ems-cold`: empty pool (one instance fills each chunk, the others wait for it); "
+        f"last has every tensor (median of {cfg['rounds']} rounds). `ems-cold`: empty pool (one instance fills each chunk, the others wait for it); "
         "`ems-warm`: N new instances after that.", "",
         markdown_table(["instances", "mode", "seconds", "source MB read", "pool DRAM MB", "host DRAM MB (pool + instances)"],
                        [[r["instances"], r["mode"], r["seconds"], r["source_bytes"] / 1e6, r["pool_dram_bytes"] / 1e6, r["host_dram_bytes"] / 1e6] for r in mc]),
@@ -306,8 +313,8 @@ def run_bench(args) -> int:
                 bench_kv(rec, n, sizes, total, rounds, root, bar)
             bench_kv(rec, 1, sizes, total, rounds, root, bar, fsync="never")
         kv = rec.rows()
-        with tqdm(total=9, desc="model cache", unit="run") as bar:
-            mc = bench_model_cache(root, model_bytes, mbps, bar)
+        with tqdm(total=9 * rounds, desc="model cache", unit="run") as bar:
+            mc = bench_model_cache(root, model_bytes, mbps, rounds, bar)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     ratios = _ratios(kv)

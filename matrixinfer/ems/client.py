@@ -13,10 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 from .arena import ArenaReader
 from .config import ClientConfig
-from .protocol import Connection, EMSError, as_buffer, call_once, drain, parse_addr, recv_exact_into, split_payload, wire_key
-from .server import boot_id
+from .protocol import Connection, EMSError, as_buffer, call_once, decode_get_reply, drain, parse_addr, recv_exact_into, wire_key
 from .shmindex import ShmIndexReader, key_tags
-from .view import ClusterView, Member
+from .view import ClusterView, Member, scatter
 
 NET_ERRORS = (OSError, ConnectionError, TimeoutError)
 TOUCH_BATCH, TOUCH_EVERY_S = 256, 0.5
@@ -31,7 +30,7 @@ class _Server:
         self.conn = Connection((m.host, m.port), cfg.timeout_s)
         self.reader: ArenaReader | None = None
         self.index: ShmIndexReader | None = None
-        if cfg.zero_copy and m.shm and m.boot_id == boot_id():
+        if cfg.zero_copy and m.same_host():
             try:
                 self.reader = ArenaReader(m.shm)
                 self.index = ShmIndexReader(m.idx) if m.idx else None
@@ -129,15 +128,16 @@ class EMSClient:
             self._view_at = 0.0  # membership probably changed: look again on the next call
             return None
 
-    def _fanout(self, keys: list[str], fn) -> list:
-        """Run fn(server_id, indices) for each owning server in parallel; returns their results."""
+    def _fanout(self, keys: list[str], fn, fill) -> list:
+        """Run fn(server_id, indices) -> values for each owning server in parallel; the values
+        in key order (`fill` where a server had nothing to say)."""
         self.refresh_view()
         groups = self.view.route(self.ns, keys)
         if len(groups) == 1:
             (sid, idx), = groups.items()
-            return [(idx, fn(sid, idx))]
+            return scatter(len(keys), [(idx, fn(sid, idx))], fill)
         futures = [(idx, self._pool.submit(fn, sid, idx)) for sid, idx in groups.items()]
-        return [(idx, f.result()) for idx, f in futures]
+        return scatter(len(keys), [(idx, f.result()) for idx, f in futures], fill)
 
     # -- single-key API ---------------------------------------------------------------------------
     def put(self, key: str | bytes, value) -> bool:
@@ -195,15 +195,12 @@ class EMSClient:
     def exists(self, keys) -> list[bool] | bool:
         single = isinstance(keys, (str, bytes))
         ks = [wire_key(k) for k in ([keys] if single else keys)]
-        out = [False] * len(ks)
 
         def one(sid, idx):
             r = self._call(sid, {"op": "exists", "keys": [ks[i] for i in idx]})
             return r[0]["found"] if r else [False] * len(idx)
 
-        for idx, found in self._fanout(ks, one):
-            for i, f in zip(idx, found):
-                out[i] = f
+        out = self._fanout(ks, one, False)
         return out[0] if single else out
 
     def delete(self, key: str | bytes) -> bool:
@@ -226,24 +223,16 @@ class EMSClient:
         pairs = list(items.items() if isinstance(items, dict) else items)
         ks = [wire_key(k) for k, _ in pairs]
         bufs = [as_buffer(v) for _, v in pairs]
-        out = [False] * len(ks)
 
         def one(sid, idx):
             r = self._call(sid, {"op": "put_many", "keys": [ks[i] for i in idx], "lens": [len(bufs[i]) for i in idx]}, [bufs[i] for i in idx])
             return r[0]["stored"] if r else [False] * len(idx)
 
-        for idx, stored in self._fanout(ks, one):
-            for i, ok in zip(idx, stored):
-                out[i] = ok
-        return out
+        return self._fanout(ks, one, False)
 
     def get_many(self, keys) -> list[bytes | None]:
         ks = [wire_key(k) for k in keys]
-        out: list[bytes | None] = [None] * len(ks)
-        for idx, values in self._fanout(ks, lambda sid, idx: self._get_group(sid, [ks[i] for i in idx])):
-            for i, v in zip(idx, values):
-                out[i] = v
-        return out
+        return self._fanout(ks, lambda sid, idx: self._get_group(sid, [ks[i] for i in idx]), None)
 
     def _hit(self, sid: str, s: _Server, keys: list[str]) -> None:
         """Report reads served from shared memory to the server's LRU, in batches."""
@@ -278,12 +267,10 @@ class EMSClient:
             r = self._call(sid, {"op": "get_many", "keys": [keys[i] for i in need], "shm": shm})
             if r is None:
                 return values
-            reply, payload = r
-            views = iter(split_payload(payload, [n for n in reply["lens"] if n >= 0]))
             retry = []
-            for i, loc, n in zip(need, reply["locs"], reply["lens"]):
-                if n >= 0:
-                    values[i] = bytes(next(views))
+            for i, (view, loc) in zip(need, decode_get_reply(*r)):
+                if view is not None:
+                    values[i] = bytes(view)
                 elif loc is not None:
                     values[i] = reader.read_bytes(loc[0], loc[2], loc[1], loc[3])
                     if values[i] is None:

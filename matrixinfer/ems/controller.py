@@ -7,12 +7,11 @@ locally, so data never passes through here.
 
 from __future__ import annotations
 
-import signal
 import threading
 import time
 
 from .config import ControllerConfig
-from .protocol import EMSError, RPCServer, drain
+from .protocol import EMSError, RPCServer, drain, serve_until_signal
 
 NS_LIMIT = 1 << 62
 
@@ -109,7 +108,4 @@ class Controller:
 
 def run_controller(cfg: ControllerConfig) -> int:
     ctl = Controller(cfg)
-    signal.signal(signal.SIGTERM, lambda *_: ctl.close())
-    signal.signal(signal.SIGINT, lambda *_: ctl.close())
-    ctl.serve()
-    return 0
+    return serve_until_signal(ctl.serve, ctl.close)

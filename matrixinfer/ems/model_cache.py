@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import signal
 import struct
 import sys
 import threading
@@ -23,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from .client import EMSClient
-from .protocol import Connection, EMSError, RPCServer, drain, parse_addr
+from .protocol import Connection, EMSError, RPCServer, drain, parse_addr, serve_until_signal
 
 CHUNK = 4 << 20
 ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
@@ -115,10 +114,8 @@ class SourceServer:
 
 def run_source_server(root: str, bytes_per_s: float, port: int = 0) -> int:
     srv = SourceServer(root, bytes_per_s, port=port)
-    signal.signal(signal.SIGTERM, lambda *_: srv.rpc.close())
     print(f"READY {srv.rpc.host}:{srv.rpc.port}", flush=True)
-    srv.rpc.serve_forever()
-    return 0
+    return serve_until_signal(srv.rpc.serve_forever, srv.rpc.close)
 
 
 # -- loading --------------------------------------------------------------------------------------

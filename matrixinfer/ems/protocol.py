@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import socket
 import struct
 import threading
@@ -127,6 +128,12 @@ def split_payload(payload, lengths: list[int]) -> list[memoryview]:
     return out
 
 
+def decode_get_reply(reply: dict, payload) -> list[tuple[memoryview | None, list | None]]:
+    """Per key of a get_many reply: (value bytes sent inline, or None; arena location, or None)."""
+    views = iter(split_payload(payload, [n for n in reply["lens"] if n >= 0]))
+    return [(next(views) if n >= 0 else None, loc) for loc, n in zip(reply["locs"], reply["lens"])]
+
+
 def parse_addr(addr: str) -> tuple[str, int]:
     host, sep, port = addr.rpartition(":")
     if not sep or not port.isdigit():
@@ -191,6 +198,17 @@ class RPCServer:
             self.sock.close()
         except OSError:
             pass
+
+
+def serve_until_signal(serve: Callable[[], None], close: Callable[[], None]) -> int:
+    """Run a role's accept loop; SIGTERM/SIGINT close it cleanly (arena unlinked, log synced)."""
+    signal.signal(signal.SIGTERM, lambda *_: close())
+    signal.signal(signal.SIGINT, lambda *_: close())
+    try:
+        serve()
+    finally:
+        close()
+    return 0
 
 
 # -- client side --------------------------------------------------------------------------

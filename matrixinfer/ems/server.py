@@ -9,7 +9,6 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
-import signal
 import socket
 import sys
 import threading
@@ -17,21 +16,13 @@ import time
 
 from .arena import Arena
 from .config import ServerConfig
-from .protocol import EMSError, RPCServer, call_once, drain, recv_exact_into, wire_key
+from .protocol import EMSError, RPCServer, call_once, drain, recv_exact_into, serve_until_signal, wire_key
 from .shard import Quota, Shard
 from .shmindex import ShmIndex, slots_for
 from .ssd import SegmentLog
+from .view import boot_id
 
 MAX_BATCH = 4096
-
-
-def boot_id() -> str:
-    """Identifies this kernel boot; same boot id + same hostname = same host = shared memory works."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return socket.gethostname() + "/" + f.read().strip()
-    except OSError:
-        return socket.gethostname()
 
 
 def server_id_for(cfg: ServerConfig) -> str:
@@ -259,6 +250,8 @@ class MPServer:
         self.rpc.serve_forever()
 
     def close(self) -> None:
+        if self._stop.is_set():
+            return  # closed already (signal, then the end of serve)
         self._stop.set()
         self.rpc.close()
         self.shard.ssd.close()
@@ -272,15 +265,4 @@ def run_server(cfg: ServerConfig) -> int:
     except (OSError, ValueError) as e:
         print(f"ems server: cannot start ({cfg.ssd_dir=}, {cfg.dram_bytes=}): {e}", file=sys.stderr)
         return 2
-
-    def stop(*_):
-        server.close()
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    try:
-        server.serve()
-    finally:
-        if not server._stop.is_set():
-            server.close()
-    return 0
+    return serve_until_signal(server.serve, server.close)

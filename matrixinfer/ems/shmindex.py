@@ -13,9 +13,10 @@ A stale or torn slot therefore costs a fallback to the RPC path, never wrong byt
 from __future__ import annotations
 
 import hashlib
-import mmap
 import os
 import struct
+
+from .arena import create_mapping, drop_mapping, open_mapping
 
 SLOT = struct.Struct("<QQQQ")  # tag, offset, length, token
 EMPTY, TOMBSTONE = 0, 1
@@ -42,12 +43,8 @@ class ShmIndex:
 
     def __init__(self, path: str, slots: int):
         self.path, self.slots, self.mask = path, slots, slots - 1
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.ftruncate(fd, slots * SLOT.size)
-            self.mm = mmap.mmap(fd, slots * SLOT.size)
-        finally:
-            os.close(fd)
+        fd, self.mm = create_mapping(path, slots * SLOT.size)
+        os.close(fd)
         self.full = 0  # inserts that found no slot within PROBES (those keys use the RPC path)
 
     def insert(self, tag: int, off: int, length: int, token: int) -> None:
@@ -80,25 +77,15 @@ class ShmIndex:
                 return
 
     def close(self) -> None:
-        try:
-            self.mm.close()
-        except BufferError:
-            pass
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        drop_mapping(self.mm, unlink=self.path)
 
 
 class ShmIndexReader:
     """A same-host client's read-only view of a server's index."""
 
     def __init__(self, path: str):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            self.mm = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        finally:
-            os.close(fd)
+        fd, self.mm = open_mapping(path)
+        os.close(fd)
         self.mask = len(self.mm) // SLOT.size - 1
 
     def find(self, tag: int) -> tuple[int, int, int] | None:
@@ -112,7 +99,4 @@ class ShmIndexReader:
         return None
 
     def close(self) -> None:
-        try:
-            self.mm.close()
-        except BufferError:
-            pass
+        drop_mapping(self.mm)

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass, field
 
 from .ring import HashRing
+
+
+def boot_id() -> str:
+    """Identifies this kernel boot; same boot id + same hostname = same host = shared memory works."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return socket.gethostname() + "/" + f.read().strip()
+    except OSError:
+        return socket.gethostname()
 
 
 @dataclass
@@ -15,6 +25,10 @@ class Member:
     shm: str | None = None
     idx: str | None = None
     boot_id: str | None = None
+
+    def same_host(self) -> bool:
+        """Can we map this server's shared memory? (same hostname and kernel boot)"""
+        return bool(self.shm) and self.boot_id == boot_id()
 
 
 @dataclass
@@ -38,3 +52,12 @@ class ClusterView:
         for i, k in enumerate(keys):
             groups.setdefault(self.owner(ns, k), []).append(i)
         return groups
+
+
+def scatter(n: int, parts, fill) -> list:
+    """Put per-server results [(indices, values)] back into key order."""
+    out = [fill] * n
+    for idx, values in parts:
+        for i, v in zip(idx, values):
+            out[i] = v
+    return out
