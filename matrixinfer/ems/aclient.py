@@ -12,9 +12,9 @@ from __future__ import annotations
 import asyncio
 import time
 
-from .arena import ArenaReader
+from .samehost import SameHost
 from .protocol import EMSError, as_buffer, async_recv_frame, async_send_frame, decode_get_reply, parse_addr, wire_key
-from .view import ClusterView, Member, scatter
+from .view import ClusterView, scatter
 
 NET_ERRORS = (OSError, ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError)
 
@@ -57,7 +57,7 @@ class AsyncEMSClient:
         self.view = ClusterView()
         self._view_at = 0.0
         self._conns: dict[str, _AsyncConn] = {}
-        self._readers: dict[str, ArenaReader | None] = {}
+        self._local: dict[str, SameHost | None] = {}
         self._down: dict[str, float] = {}
 
     @classmethod
@@ -83,21 +83,22 @@ class AsyncEMSClient:
         except NET_ERRORS:
             return
         if reply["version"] != self.view.version:
-            self.view = ClusterView.from_reply(reply)
-            for sid in list(self._conns):
-                if sid not in self.view.members:
-                    self._conns.pop(sid).close()
+            old, self.view = self.view, ClusterView.from_reply(reply)
+            for sid, m in old.members.items():
+                if self.view.members.get(sid) != m:  # gone, or restarted elsewhere
+                    if sid in self._conns:
+                        self._conns.pop(sid).close()
+                    if self._local.get(sid):
+                        self._local[sid].close()
+                    self._local.pop(sid, None)
 
-    def _reader(self, m: Member) -> ArenaReader | None:
-        if m.id not in self._readers:
-            r = None
-            if self.zero_copy and m.same_host():
-                try:
-                    r = ArenaReader(m.shm)
-                except OSError:
-                    r = None
-            self._readers[m.id] = r
-        return self._readers[m.id]
+    def _same_host(self, sid: str | None) -> SameHost | None:
+        m = self.view.members.get(sid) if sid else None
+        if m is None or self._down.get(sid, 0) > time.monotonic():
+            return None
+        if sid not in self._local:
+            self._local[sid] = SameHost.open(m, self.zero_copy)
+        return self._local[sid]
 
     async def _call(self, sid: str | None, header: dict, buffers=()):
         m = self.view.members.get(sid) if sid else None
@@ -140,25 +141,32 @@ class AsyncEMSClient:
         ks = [wire_key(k) for k in keys]
 
         async def one(sid, idx):
-            m = self.view.members.get(sid) if sid else None
-            reader = self._reader(m) if m else None
+            local = self._same_host(sid)
+            reader = local.arena() if local else None
             group = [ks[i] for i in idx]
-            r = await self._call(sid, {"op": "get_many", "keys": group, "shm": reader is not None})
+            if reader is not None:  # same host: no request for what the shared index has
+                found = {k: v for k in group if (v := local.get(self.ns, k)) is not None}
+                batch = local.hit(list(found))
+                if batch:
+                    await self._call(sid, {"op": "touch", "keys": batch})
+                rest = [k for k in group if k not in found]
+                if not rest:
+                    return [found[k] for k in group]
+            else:
+                found, rest = {}, group
+            r = await self._call(sid, {"op": "get_many", "keys": rest, "shm": reader is not None})
             if r is None:
-                return [None] * len(idx)
-            vals = []
-            for k, (view, loc) in zip(group, decode_get_reply(*r)):
+                return [found.get(k) for k in group]
+            for k, (view, loc) in zip(rest, decode_get_reply(*r)):
                 if view is not None:
-                    vals.append(bytes(view))
+                    found[k] = bytes(view)
                 elif loc is not None:
                     v = reader.read_bytes(loc[0], loc[2], loc[1], loc[3])
                     if v is None:  # replaced while we copied: fetch over TCP
                         rr = await self._call(sid, {"op": "get_many", "keys": [k], "shm": False})
                         v = rr[1] if rr and rr[0]["lens"][0] >= 0 else None
-                    vals.append(v)
-                else:
-                    vals.append(None)
-            return vals
+                    found[k] = v
+            return [found.get(k) for k in group]
 
         return await self._fanout(ks, one, None)
 
@@ -181,7 +189,7 @@ class AsyncEMSClient:
         for c in self._conns.values():
             c.close()
         self._conns.clear()
-        for r in self._readers.values():
-            if r:
-                r.close()
-        self._readers.clear()
+        for local in self._local.values():
+            if local:
+                local.close()
+        self._local.clear()

@@ -11,65 +11,33 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from .arena import ArenaReader
 from .config import ClientConfig
 from .protocol import Connection, EMSError, as_buffer, call_once, decode_get_reply, drain, parse_addr, recv_exact_into, wire_key
-from .shmindex import ShmIndexReader, key_tags
+from .samehost import SameHost
 from .view import ClusterView, Member, scatter
 
 NET_ERRORS = (OSError, ConnectionError, TimeoutError)
-TOUCH_BATCH, TOUCH_EVERY_S = 256, 0.5
-ALIVE_EVERY_S = 0.1  # how often a same-host reader checks that the server still lives
 
 
 class _Server:
-    """Client-side handle of one MP server: its connection and (same host) its arena."""
+    """Client-side handle of one MP server: its connection and (same host) its memory."""
 
     def __init__(self, m: Member, cfg: ClientConfig):
         self.member = m
         self.conn = Connection((m.host, m.port), cfg.timeout_s)
-        self.reader: ArenaReader | None = None
-        self.index: ShmIndexReader | None = None
-        if cfg.zero_copy and m.same_host():
-            try:
-                self.reader = ArenaReader(m.shm)
-                self.index = ShmIndexReader(m.idx) if m.idx else None
-            except OSError:
-                self.reader = self.index = None  # not visible to us after all: use TCP
+        self.local = SameHost.open(m, cfg.zero_copy)
         self.down_until = 0.0
-        self.hits: list[str] = []  # keys read through the shared index, not yet reported
-        self.touched_at = self.alive_at = time.monotonic()
 
-    def shm(self) -> ArenaReader | None:
-        """The arena to read directly, if we may: not while the server is backed off, and
-        never again once its process died (its arena outlives it in /dev/shm: stale data).
-        Callers keep the returned reader (another thread may drop ours meanwhile)."""
-        reader, now = self.reader, time.monotonic()
-        if reader is None or self.down_until > now:
+    def arena(self):
+        """The same-host arena reader, if the server is not backed off or dead."""
+        if self.local is None or self.down_until > time.monotonic():
             return None
-        if now - self.alive_at > ALIVE_EVERY_S:
-            self.alive_at = now
-            if not reader.server_alive():
-                self.reader = self.index = None  # closed when the last user lets go
-                self.down_until = now + 1.0
-                return None
-        return reader
-
-    def local_loc(self, ns: str, key: str) -> tuple[int, int, int, int] | None:
-        """(offset, length, token, check) from the shared index; still to be verified."""
-        index = self.index
-        if index is None:
-            return None
-        tag, check = key_tags(ns, key)
-        loc = index.find(tag)
-        return None if loc is None else (*loc, check)
+        return self.local.arena()
 
     def close(self) -> None:
         self.conn.close()
-        if self.reader:
-            self.reader.close()
-        if self.index:
-            self.index.close()
+        if self.local:
+            self.local.close()
 
 
 class EMSClient:
@@ -159,12 +127,12 @@ class EMSClient:
         self.refresh_view()
         sid = self.view.owner(self.ns, k)
         s = self._server(sid) if sid else None
-        reader = s.shm() if s is not None else None
+        reader = s.arena() if s is not None else None
         if reader is not None:
-            loc = s.local_loc(self.ns, k)
-            if loc is not None and loc[1] <= len(dst) and reader.read_into(loc[0], loc[2], loc[1], loc[3], dst):
+            n = s.local.get_into(self.ns, k, dst)
+            if n is not None:
                 self._hit(sid, s, [k])
-                return loc[1]
+                return n
             r = self._call(sid, {"op": "get", "key": k, "shm": True})
             if r is None:
                 return None
@@ -236,24 +204,21 @@ class EMSClient:
 
     def _hit(self, sid: str, s: _Server, keys: list[str]) -> None:
         """Report reads served from shared memory to the server's LRU, in batches."""
-        s.hits.extend(keys)
-        now = time.monotonic()
-        if len(s.hits) >= TOUCH_BATCH or now - s.touched_at > TOUCH_EVERY_S:
-            hits, s.hits, s.touched_at = s.hits[-4096:], [], now
-            self._call(sid, {"op": "touch", "keys": hits})
+        batch = s.local.hit(keys)
+        if batch:
+            self._call(sid, {"op": "touch", "keys": batch})
 
     def _get_group(self, sid: str | None, keys: list[str]) -> list[bytes | None]:
         s = self._server(sid) if sid else None
         values: list[bytes | None] = [None] * len(keys)
         need = list(range(len(keys)))
-        reader = s.shm() if s is not None else None
+        reader = s.arena() if s is not None else None
         if reader is not None:
             # Same host: find the value through the server's shared index and copy it out
             # of its arena, no round trip; anything not found or changed goes over RPC.
             need, hits = [], []
             for i, k in enumerate(keys):
-                loc = s.local_loc(self.ns, k)
-                v = None if loc is None else reader.read_bytes(loc[0], loc[2], loc[1], loc[3])
+                v = s.local.get(self.ns, k)
                 if v is None:
                     need.append(i)
                 else:

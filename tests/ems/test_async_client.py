@@ -41,3 +41,24 @@ def test_async_client_misses_when_the_pool_is_empty(tmp_path, request):
         await c.close()
 
     asyncio.run(main())
+
+
+def test_async_same_host_gets_need_no_request(pool):
+    """The async client also reads DRAM values through the shared index: no get request."""
+
+    async def main():
+        c = await AsyncEMSClient.connect(pool.controller, "async-zc")
+        vals = {f"q{i}": os.urandom(5000) for i in range(10)}
+        assert all(await c.put_many(vals))
+        sent, real = [], c._call
+
+        async def counting(sid, header, *a):
+            sent.append(header["op"])
+            return await real(sid, header, *a)
+
+        c._call = counting
+        assert await c.get_many(list(vals)) == list(vals.values())
+        await c.close()
+        return sent
+
+    assert not {"get", "get_many"} & set(asyncio.run(main()))

@@ -12,7 +12,7 @@ from matrixinfer.ems import EMSClient, EMSError
 def test_roundtrip_over_shared_memory_and_tcp(pool, client_factory):
     """Values of 0 B..4 MiB come back byte-exact on the same-host (shm) path and the TCP path."""
     shm, tcp = client_factory(pool, "rt"), client_factory(pool, "rt", zero_copy=False)
-    assert all(s.reader is not None for s in (shm._server(i) for i in shm.view.members))
+    assert all(shm._server(i).local is not None for i in shm.view.members)
     vals = {f"v{n}": os.urandom(n) for n in (0, 1, 100, 65536, 1 << 20, 4 << 20)}
     assert shm.put_many(vals) == [True] * len(vals)
     for c in (shm, tcp):
@@ -146,16 +146,16 @@ def test_same_host_reads_need_no_request_to_the_server(pool, client_factory):
 def test_shared_memory_hits_keep_a_value_hot_in_the_lru(fresh_pool, client_factory, monkeypatch):
     """Reads served from shared memory are reported to the server, so the value read most
     recently survives DRAM eviction while colder ones are evicted."""
-    import matrixinfer.ems.client as client_mod
+    import matrixinfer.ems.samehost as samehost
 
-    monkeypatch.setattr(client_mod, "TOUCH_BATCH", 1)  # report every hit at once
+    monkeypatch.setattr(samehost, "TOUCH_BATCH", 1)  # report every hit at once
     c = client_factory(fresh_pool, "lru")
     for i in range(6):
         c.put(f"k{i}", os.urandom(250_000))
     assert c.get("k0") is not None  # k0 is now the most recently used
     for i in range(6, 9):
         c.put(f"k{i}", os.urandom(250_000))
-    s = c._server(next(iter(c.view.members)))
-    assert s.local_loc("lru", "k0") is not None  # still in DRAM
-    assert s.local_loc("lru", "k1") is None  # evicted (its bytes remain on SSD)
+    local = c._server(next(iter(c.view.members))).local
+    assert local.locate("lru", "k0") is not None  # still in DRAM
+    assert local.locate("lru", "k1") is None  # evicted (its bytes remain on SSD)
     assert c.get("k1") is not None
