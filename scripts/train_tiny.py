@@ -1,7 +1,9 @@
 """Rebuild models/matrixinfer-tiny-moe from scratch: train (`matrixinfer train-tiny`), then
 evaluate and write the model card (`matrixinfer eval-tiny`). The shipped model was made with
 
-    python scripts/train_tiny.py --steps 900 --batch-size 8 --seq-len 512 --threads 1
+    python scripts/train_tiny.py --threads 1
+
+(one thread: on a 2-core machine shared with other jobs, two OpenMP threads ran 3-5x slower).
 
 Extra arguments go to train-tiny (see `python -m matrixinfer.train.cli train-tiny --help`).
 """

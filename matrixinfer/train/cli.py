@@ -13,6 +13,7 @@ def _train(args) -> int:
 
     tc = TrainConfig(seed=args.seed, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
                      lr=args.lr, threads=args.threads, save_every=args.save_every, eval_every=args.eval_every,
+                     bias_update_speed=args.bias_update_speed, mtp_weight=args.mtp_weight,
                      autocast_bf16=not args.fp32)
     run(Path(args.out), tc, vocab_size=args.vocab_size)
     return 0
@@ -40,6 +41,8 @@ def register(sub, bench_sub) -> None:
     p.add_argument("--threads", type=int, default=d.threads)
     p.add_argument("--save-every", type=int, default=d.save_every)
     p.add_argument("--eval-every", type=int, default=d.eval_every)
+    p.add_argument("--bias-update-speed", type=float, default=d.bias_update_speed, help="gamma of the bias-update rule")
+    p.add_argument("--mtp-weight", type=float, default=d.mtp_weight)
     p.add_argument("--fp32", action="store_true", help="no bf16 autocast")
     p.set_defaults(func=_train)
 
