@@ -2,16 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-
-@dataclass
-class NamespaceQuota:
-    """Pool-wide capacity of one namespace; each MP server enforces its share (quota / servers)."""
-
-    name: str
-    dram_bytes: int = 1 << 62  # effectively unlimited unless set
-    ssd_bytes: int = 1 << 62
+from dataclasses import dataclass
 
 
 @dataclass
@@ -44,4 +35,3 @@ class ClientConfig:
     zero_copy: bool = True  # read through the server's shared-memory arena when on the same host
     view_refresh_s: float = 1.0
     down_backoff_s: float = 1.0  # after a connection failure, skip that server this long
-    extra: dict = field(default_factory=dict)

@@ -80,11 +80,12 @@ class MPServer:
         self.n_servers = 1
         self.ns_version = -1
         self._ns_asked: dict[str, float] = {}
-        self.shard.on_unknown_namespace = self._fetch_namespace
         self._stop = threading.Event()
 
     # -- request handling ------------------------------------------------------------------------
     def handle(self, h: dict, plen: int, sock: socket.socket):
+        if isinstance(h.get("ns"), str) and h["ns"] not in self.shard.quotas:
+            self._fetch_namespace(h["ns"])  # created after our last heartbeat: learn its quota
         op = h.get("op")
         fn = getattr(self, f"op_{op}", None) if isinstance(op, str) else None
         if fn is None:
@@ -202,22 +203,19 @@ class MPServer:
             q = {name: Quota(v["dram_bytes"] // self.n_servers, v["ssd_bytes"] // self.n_servers) for name, v in reply["namespaces"].items()}
             self.shard.set_quotas(q)
 
-    def _fetch_namespace(self, ns: str) -> Quota | None:
-        """Called with the shard lock held, so ask at most once a second per namespace."""
+    def _fetch_namespace(self, ns: str) -> None:
+        """Ask the controller about a namespace we have not heard of (at most once a second)."""
         now = time.monotonic()
         if now - self._ns_asked.get(ns, -10.0) < 1.0:
-            return None
+            return
         self._ns_asked[ns] = now
         try:
             reply = call_once(self.cfg.controller, {"op": "ns_list"}, timeout_s=1.0)
         except (OSError, EMSError):
-            return None
+            return
         v = reply["namespaces"].get(ns)
-        if v is None:
-            return None
-        q = Quota(v["dram_bytes"] // self.n_servers, v["ssd_bytes"] // self.n_servers)
-        self.shard.quotas = {**self.shard.quotas, ns: q}
-        return q
+        if v is not None:
+            self.shard.set_quota(ns, Quota(v["dram_bytes"] // self.n_servers, v["ssd_bytes"] // self.n_servers))
 
     def heartbeat_loop(self) -> None:
         registered = False

@@ -66,18 +66,18 @@ class Shard:
         self.quotas: dict[str, Quota] = {}
         self.n = Counters()
         self.leases: dict[tuple[str, str], float] = {}
-        self.on_unknown_namespace = None  # set by the server: fetch quotas from the controller
 
     # -- quotas -------------------------------------------------------------------------------
     def set_quotas(self, quotas: dict[str, Quota]) -> None:
         with self.lock:
             self.quotas = dict(quotas)
 
+    def set_quota(self, ns: str, quota: Quota) -> None:
+        with self.lock:
+            self.quotas = {**self.quotas, ns: quota}
+
     def quota(self, ns: str) -> Quota:
-        q = self.quotas.get(ns)
-        if q is None and self.on_unknown_namespace is not None:
-            q = self.on_unknown_namespace(ns)  # created after our last heartbeat
-        return q or Quota()
+        return self.quotas.get(ns) or Quota()
 
     # -- DRAM bookkeeping (caller holds self.lock) ------------------------------------------------
     def _touch(self, ns: str, key: str) -> None:
