@@ -205,11 +205,10 @@ class TokenService:
                     meter.last = await anext(stream)
             if include_usage:
                 yield f"data: {json.dumps(fmt.chunk([], usage(meter.last), with_usage=True))}\n\n"
-        except Exception as e:
-            if not isinstance(e, GeneratorExit):
-                err = {"error": {"message": f"generation failed: {e}", "type": "server_error", "param": None,
-                                 "code": None}}
-                yield f"data: {json.dumps(err)}\n\n"
+        except Exception as e:  # the engine failed mid-stream: say so in the stream, then end it
+            err = {"error": {"message": f"generation failed: {e}", "type": "server_error", "param": None,
+                             "code": None}}
+            yield f"data: {json.dumps(err)}\n\n"
         finally:
             meter.close()
         yield "data: [DONE]\n\n"

@@ -9,7 +9,8 @@ from datetime import datetime, timezone
 
 from matrixinfer.engine.llm import DEFAULT_MODEL
 from matrixinfer.serving.ledger import Prices
-from matrixinfer.serving.tenants import DEFAULT_DB, PERIODS
+from matrixinfer.serving.db import DEFAULT_DB
+from matrixinfer.serving.tenants import PERIODS
 
 
 def _serve(args) -> int:

@@ -3,12 +3,10 @@ restarts and `matrixinfer usage` can total it per tenant and model and price it.
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
-from matrixinfer.serving.tenants import DEFAULT_DB, connect
+from matrixinfer.serving.db import SQLiteStore
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS usage (
@@ -51,15 +49,8 @@ class UsageTotals:
                 + self.output_tokens * prices.output) / 1e6
 
 
-class UsageLedger:
-    def __init__(self, path: str | Path = DEFAULT_DB):
-        self.path = Path(path)
-        self._conn = connect(self.path)
-        self._conn.executescript(_SCHEMA)
-        self._lock = threading.Lock()
-
-    def close(self) -> None:
-        self._conn.close()
+class UsageLedger(SQLiteStore):
+    schema = _SCHEMA
 
     def record(self, tenant: str, model: str, request_id: str, prompt_tokens: int, cached_tokens: int,
                completion_tokens: int, end_user: str | None = None, finish: str | None = None,

@@ -6,17 +6,14 @@ prefix to recognise it by. Each tenant carries its quotas and rate limits (None:
 from __future__ import annotations
 
 import hashlib
-import os
 import secrets
-import sqlite3
-import threading
 import time
 from dataclasses import dataclass, fields
-from pathlib import Path
+
+from matrixinfer.serving.db import SQLiteStore
 
 KEY_PREFIX = "mi-"
 PERIODS = ("hour", "day", "month")
-DEFAULT_DB = Path(os.environ.get("MATRIXINFER_HOME", Path.home() / ".matrixinfer")) / "serving.db"
 ANONYMOUS = "anonymous"  # the tenant of every request when no keys are configured
 
 _SCHEMA = """
@@ -55,24 +52,8 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def connect(path: str | Path) -> sqlite3.Connection:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    conn = sqlite3.connect(path, check_same_thread=False, timeout=30, isolation_level=None)
-    conn.execute("PRAGMA journal_mode=WAL")
-    conn.execute("PRAGMA synchronous=NORMAL")
-    return conn
-
-
-class TenantStore:
-    def __init__(self, path: str | Path = DEFAULT_DB):
-        self.path = Path(path)
-        self._conn = connect(self.path)
-        self._conn.executescript(_SCHEMA)
-        self._lock = threading.Lock()
-
-    def close(self) -> None:
-        self._conn.close()
+class TenantStore(SQLiteStore):
+    schema = _SCHEMA
 
     def set_tenant(self, name: str, **limits) -> Tenant:
         """Create the tenant or update the limits given (others keep their values)."""
