@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from matrixinfer.model.loader import load_model
-from matrixinfer.train.tiny import LoadMeter, count_params, eval_windows
+from matrixinfer.train.tiny import LoadMeter, count_params, eval_windows, token_stream
 
 SAMPLE_PROMPT = "import os\n\n\ndef read_lines(path):"
 
@@ -31,8 +31,8 @@ def streams(model_dir: Path):
 
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     train_files, held_files = split()
-    cat = lambda docs: torch.tensor([i for d in docs for i in d], dtype=torch.long)  # noqa: E731
-    return cat(encode_documents(tok, read_texts(train_files))), cat(encode_documents(tok, read_texts(held_files))), held_files
+    return (token_stream(encode_documents(tok, read_texts(train_files))),
+            token_stream(encode_documents(tok, read_texts(held_files))), held_files)
 
 
 def unigram_nll(train_stream: torch.Tensor, targets: torch.Tensor, vocab_size: int) -> float:
@@ -105,7 +105,10 @@ def plot_curve(log: list[dict], path: Path) -> None:
     tok = [e["tokens"] / 1e6 for e in log]
     fig, ax = plt.subplots(figsize=(7, 4))
     k = 10  # running mean of the per-step training losses
-    smooth = lambda v: [sum(v[max(0, i - k + 1) : i + 1]) / len(v[max(0, i - k + 1) : i + 1]) for i in range(len(v))]  # noqa: E731
+
+    def smooth(v):
+        return [sum(v[max(0, i - k + 1) : i + 1]) / len(v[max(0, i - k + 1) : i + 1]) for i in range(len(v))]
+
     ax.plot(tok, smooth([e["loss"] for e in log]), label="train loss (next token)")
     ax.plot(tok, smooth([e["mtp_loss"] for e in log]), label="train MTP loss (token after next)", alpha=0.8)
     ev = [e for e in log if "heldout_loss" in e]
@@ -164,8 +167,7 @@ def _checkpoint_numel(path: Path) -> int:
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
-        return sum(f.get_slice(k).get_shape().numel() if hasattr(f.get_slice(k).get_shape(), "numel")
-                   else math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+        return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
 
 
 def model_card(cfg: dict, meta: dict, r: dict) -> str:
@@ -244,7 +246,9 @@ gradient clipping {tc["grad_clip"]}, bf16 autocast = {tc["autocast_bf16"]} with 
 weights. Loss = next-token CE + {tc["mtp_weight"]} x MTP CE (the MTP module combines the final
 hidden state h_i with the embedding of t_(i+1) and predicts t_(i+2)). The routing bias of each
 MoE layer is updated after every step by the aux-loss-free rule
-`bias += {tc["bias_update_speed"]} * sign(mean_load - load)` (no auxiliary loss). Seen
+`bias += {tc["bias_update_speed"]} * sign(mean_load - load)` (no auxiliary loss; a first run with
+DeepSeek-V3's 0.001 left one expert of the last MoE layer taking every token after 150 steps, too few
+for the bias to catch up). Seen
 {last["tokens"]:,} tokens in {minutes:.0f} minutes on {tc["threads"]} CPU thread(s) of a shared 2-core
 machine (torch {meta["torch"]}).
 

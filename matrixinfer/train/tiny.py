@@ -250,8 +250,13 @@ def build_corpus(vocab_size: int):
     train_files, held_files = split()
     train_texts = read_texts(train_files)
     tok = train_tokenizer(train_texts, vocab_size)
-    cat = lambda docs: torch.tensor([i for d in docs for i in d], dtype=torch.long)  # noqa: E731
-    return tok, cat(encode_documents(tok, train_texts)), cat(encode_documents(tok, read_texts(held_files))), train_files, held_files
+    train_stream = token_stream(encode_documents(tok, train_texts))
+    held_stream = token_stream(encode_documents(tok, read_texts(held_files)))
+    return tok, train_stream, held_stream, train_files, held_files
+
+
+def token_stream(docs: list[list[int]]) -> torch.Tensor:
+    return torch.tensor([i for d in docs for i in d], dtype=torch.long)
 
 
 def run(out_dir: Path, tc: TrainConfig, vocab_size: int = 4096, arch_overrides: dict | None = None) -> None:
