@@ -36,3 +36,9 @@ def test_server_with_unreachable_ssd_dir_fails_with_a_message(tmp_path):
     p = subprocess.run([sys.executable, "-m", "matrixinfer.ems", "server", "--controller", "127.0.0.1:1",
                         "--ssd-dir", str(blocker / "sub")], capture_output=True, text=True, timeout=30)
     assert p.returncode != 0 and "sub" in p.stderr
+
+
+def test_the_matrixinfer_command_has_the_ems_subcommands():
+    """`matrixinfer ems server --help` works through the top-level CLI (registration)."""
+    p = subprocess.run([sys.executable, "-m", "matrixinfer.cli", "ems", "server", "--help"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "--dram-bytes" in p.stdout

@@ -68,3 +68,22 @@ def test_throttled_source_caps_bandwidth(checkpoint):
     _, report = load_direct(source)
     assert report.seconds >= 0.9 * report.bytes_total / 40e6
     assert report.bytes_total > CHUNK  # several chunks, read in parallel under one cap
+
+
+@pytest.mark.pool(n_servers=1, dram_bytes=32 << 20)
+def test_model_load_cli_fills_the_pool_once(fresh_pool, checkpoint):
+    """`matrixinfer ems model-load` run twice: the first reads the checkpoint from the source,
+    the second reads nothing from it."""
+    import json
+    import subprocess
+    import sys
+
+    def run():
+        p = subprocess.run([sys.executable, "-m", "matrixinfer.ems", "model-load", "--controller", fresh_pool.controller,
+                            "--model", checkpoint, "--bandwidth-mbps", "200"], capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stderr
+        return json.loads(p.stdout.strip().splitlines()[-1])
+
+    first, second = run(), run()
+    assert first["bytes_from_source"] == first["bytes_total"] > 0
+    assert second["bytes_from_source"] == 0 and second["bytes_from_pool"] == second["bytes_total"]

@@ -76,3 +76,28 @@ def test_compaction_frees_dead_segments_and_keeps_live_values(tmp_path):
     log.close()
     log = SegmentLog(str(tmp_path), segment_bytes=1 << 14)
     assert all(log.get("ns", f"k{i}") == bytes([2]) * 2000 for i in range(20))
+
+
+def test_put_returns_only_after_fsync_and_concurrent_puts_share_fsyncs(tmp_path, monkeypatch):
+    """fsync='always': every put is covered by an fsync before it returns, and 16 concurrent
+    puts need fewer fsyncs than puts (group commit); fsync='never' does none."""
+    import threading
+
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd)))
+    log = SegmentLog(str(tmp_path / "a"))
+    n0 = len(synced)
+    log.put("ns", "k", memoryview(b"v"))
+    assert len(synced) == n0 + 1 and log.durable >= (log.seg, log.pos)
+    n0 = len(synced)
+    threads = [threading.Thread(target=log.put, args=("ns", f"k{i}", memoryview(os.urandom(200_000)))) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert 1 <= len(synced) - n0 < 16
+    lazy = SegmentLog(str(tmp_path / "b"), fsync="never")
+    n0 = len(synced)
+    lazy.put("ns", "k", memoryview(b"v"))
+    assert len(synced) == n0
