@@ -145,6 +145,8 @@ class Shard:
 
     # -- operations --------------------------------------------------------------------------------
     def begin_put(self, ns: str, key: str, length: int) -> Block:
+        if length > self.quota(ns).ssd:  # it would be evicted from SSD as soon as it was written
+            raise EMSError(f"value of {length} bytes does not fit namespace {ns!r} SSD share")
         with self.lock:
             blk = self._alloc(ns, length)
         if blk is None:

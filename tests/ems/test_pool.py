@@ -110,6 +110,8 @@ def test_namespace_quota_evicts_only_inside_that_namespace(fresh_pool, client_fa
     assert got[0] is None and got[-1] == mine["s19"]  # oldest gone, newest kept
     assert all(g is None or g == mine[k] for g, k in zip(got, mine))
     assert other.get_many(list(theirs)) == list(theirs.values())
+    with pytest.raises(EMSError, match="SSD share"):
+        small.put("too-big-for-ssd", bytearray(3 << 20))
 
 
 @pytest.mark.pool(n_servers=1, dram_bytes=2 << 20)
