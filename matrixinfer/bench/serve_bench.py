@@ -62,6 +62,7 @@ class Workload:
     output_len: int
     headers: dict = field(default_factory=dict)
     token_pool: list[int] = field(default_factory=list)
+    tokens_per_word: float = 1.0  # of the generated text, to size multi-turn messages
 
 
 async def stream_request(client: httpx.AsyncClient, w: Workload, path: str, body: dict, turn: int = 0,
@@ -123,7 +124,7 @@ async def run_single_turn(w: Workload, rate: float, num_requests: int, rng: rand
 async def run_multi_turn(w: Workload, rate: float, conversations: int, turns: int, rng: random.Random,
                          bar) -> list[Result]:
     """Conversations arrive at `rate`; each sends its turns back to back, with the history."""
-    words_per_turn = max(1, w.input_len // 2)
+    words_per_turn = max(1, round(w.input_len / w.tokens_per_word))
 
     async def conversation(delay: float, seed: int) -> list[Result]:
         await asyncio.sleep(delay)
@@ -172,10 +173,13 @@ def summarize(results: list[Result], rate: float, duration: float) -> dict:
     for name, vals in (("ttft", ttft), ("tpot", tpot), ("e2e", e2e)):
         for q in (50, 99):
             s[f"{name}_p{q}_s"] = _pct(vals, q)
-    later = [r.ttft for r in ok if r.turn > 0]
-    if later:
-        s["ttft_first_turn_p50_s"] = _pct([r.ttft for r in ok if r.turn == 0], 50)
-        s["ttft_later_turns_p50_s"] = _pct(later, 50)
+    first, later = [r for r in ok if r.turn == 0], [r for r in ok if r.turn > 0]
+    if first and later:
+        for name, group in (("first_turn", first), ("later_turns", later)):
+            prompt = sum(r.prompt_tokens for r in group)
+            s[f"ttft_{name}_p50_s"] = _pct([r.ttft for r in group], 50)
+            s[f"prompt_tokens_{name}_mean"] = prompt / len(group)
+            s[f"cached_fraction_{name}"] = sum(r.cached_tokens for r in group) / max(1, prompt)
     return s
 
 
@@ -210,13 +214,14 @@ def _workload(args, url: str) -> Workload:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     models = httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"][0]
     rng = random.Random(args.seed)
-    text = _words(rng, 4 * args.input_len + 64)
+    n_words = 4 * args.input_len + 64
+    text = _words(rng, n_words)
     pool = httpx.post(url + "/tokenize", json={"prompt": text, "add_special_tokens": False}, headers=headers,
                       timeout=30).json()["tokens"]
     if args.input_len + args.output_len > models["max_model_len"]:
         raise SystemExit(f"input {args.input_len} + output {args.output_len} tokens exceed the model's context "
                          f"({models['max_model_len']})")
-    return Workload(url, models["id"], args.input_len, args.output_len, headers, pool)
+    return Workload(url, models["id"], args.input_len, args.output_len, headers, pool, len(pool) / n_words)
 
 
 def _plot(rows: list[dict], path: Path, title: str) -> None:
@@ -230,7 +235,9 @@ def _plot(rows: list[dict], path: Path, title: str) -> None:
     for ax, metric, label in ((axes[0], "ttft", "TTFT (s)"), (axes[1], "tpot", "TPOT (s)")):
         for q, style in ((50, "o-"), (99, "s--")):
             ax.plot(rates, [r[f"{metric}_p{q}_s"] or float("nan") for r in rows], style, label=f"p{q}")
-        ax.set_xlabel("offered load (requests/s)")
+        if max(rates) >= 4 * min(rates):
+            ax.set_xscale("log", base=2)
+        ax.set_xlabel("offered load (conversations/s)" if "multi-turn" in title else "offered load (requests/s)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
         ax.legend()
@@ -286,9 +293,11 @@ def main(args) -> int:
 
 
 def _table(report: dict) -> str:
-    headers = ["offered req/s", "done", "failed", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50",
-               "TPOT p99", "E2E p50", "cached %"]
-    rows = [[r["offered_rate"], r["completed"], r["failed"], r["throughput_req_s"], r["output_tok_s"],
+    offered = "offered conversations/s" if "multi" in report["mode"] else "offered req/s"
+    headers = [offered, "done", "failed", "req/s", "prompt tok (mean)", "out tok/s", "TTFT p50", "TTFT p99",
+               "TPOT p50", "TPOT p99", "E2E p50", "cached %"]
+    rows = [[r["offered_rate"], r["completed"], r["failed"], r["throughput_req_s"],
+             r["prompt_tokens"] / max(1, r["completed"]), r["output_tok_s"],
              r["ttft_p50_s"], r["ttft_p99_s"], r["tpot_p50_s"], r["tpot_p99_s"], r["e2e_p50_s"],
              100 * r["cached_fraction"]] for r in report["results"]]
     return markdown_table(headers, [[("-" if v is None else v) for v in row] for row in rows])
@@ -303,16 +312,22 @@ def _write_section(section: str, name: str, report: dict, plot: Path) -> None:
             parts[mode_name] = json.loads(path.read_text())
     md = ["## Token service under online load (`matrixinfer bench serve`)", "",
           "Poisson arrivals against `matrixinfer serve` over HTTP, streaming; latencies in seconds as the "
-          "client sees them. Machine: CPU only, shared."]
+          "client sees them (TTFT to the first visible text). Requests per rate are few, so p99 is close to the "
+          "maximum."]
     for mode_name, rep in parts.items():
-        md += ["", f"### {rep['mode']}: model `{rep['model']}`, {rep['input_len']} prompt tokens"
-                   f"{' per user turn' if 'multi' in rep['mode'] else ''}, {rep['output_len']} output tokens", "",
+        per_turn = " (about, in words) per user turn" if "multi" in rep["mode"] else ""
+        md += ["", f"### {rep['mode']}: model `{rep['model']}`, {rep['input_len']} prompt tokens{per_turn}, "
+                   f"{rep['output_len']} output tokens; {rep['cpu_count']} CPU cores", "",
                _table(rep), "", f"![latency against load]({mode_name}.png)"]
-        extra = [r for r in rep["results"] if "ttft_later_turns_p50_s" in r]
+        extra = [r for r in rep["results"] if "prompt_tokens_later_turns_mean" in r]
         if extra:
-            md += ["", "TTFT p50, first turn vs later turns (prefix cache): " + ", ".join(
-                f"{r['offered_rate']}/s: {r['ttft_first_turn_p50_s']:.3f} s vs {r['ttft_later_turns_p50_s']:.3f} s"
-                for r in extra)]
+            md += ["", "First turn against later turns (which resend the history, served from the prefix cache):",
+                   "", markdown_table(
+                       ["offered conversations/s", "first: prompt tok", "first: TTFT p50", "later: prompt tok",
+                        "later: cached %", "later: TTFT p50"],
+                       [[r["offered_rate"], r["prompt_tokens_first_turn_mean"], r["ttft_first_turn_p50_s"],
+                         r["prompt_tokens_later_turns_mean"], 100 * r["cached_fraction_later_turns"],
+                         r["ttft_later_turns_p50_s"]] for r in extra])]
     write_section(section, "\n".join(md))
 
 
