@@ -229,6 +229,7 @@ def _plot(rows: list[dict], path: Path, title: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     rates = [r["offered_rate"] for r in rows]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
@@ -237,6 +238,7 @@ def _plot(rows: list[dict], path: Path, title: str) -> None:
             ax.plot(rates, [r[f"{metric}_p{q}_s"] or float("nan") for r in rows], style, label=f"p{q}")
         if max(rates) >= 4 * min(rates):
             ax.set_xscale("log", base=2)
+            ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
         ax.set_xlabel("offered load (conversations/s)" if "multi-turn" in title else "offered load (requests/s)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
