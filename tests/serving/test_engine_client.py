@@ -1,0 +1,102 @@
+"""The API depends only on the EngineClient interface (generate / abort / stats), so a PDC
+front end can replace AsyncLLMEngine; and an engine failure is a 500 for the requests in
+flight, never a dead server."""
+
+import asyncio
+
+import httpx
+import pytest
+
+from matrixinfer.engine.outputs import CompletionOutput, RequestOutput
+from matrixinfer.serving import EngineStats, build_app
+from tests.serving.conftest import LiveServer, start_service
+
+
+class EchoEngine:
+    """Not an LLMEngine at all: 'generates' the prompt's token ids back, one per step."""
+
+    model_name, max_model_len, tokenizer, vocab_size = "echo", 64, None, 1000
+
+    def __init__(self, fail_after: int | None = None):
+        self.fail_after = fail_after
+        self.aborted: list[str] = []
+
+    async def generate(self, request):
+        ids = request.prompt_token_ids[: request.params.max_tokens]
+        for i in range(1, len(ids) + 1):
+            await asyncio.sleep(0)
+            if self.fail_after is not None and i > self.fail_after:
+                raise RuntimeError("decode pool lost")
+            done = i == len(ids)
+            out = CompletionOutput(0, "", ids[:i], finish_reason="length" if done else None)
+            yield RequestOutput(request.request_id, None, request.prompt_token_ids, [out], done)
+
+    async def abort(self, request_id):
+        self.aborted.append(request_id)
+
+    def stats(self):
+        return EngineStats(num_running=3)
+
+
+@pytest.fixture
+def echo_server():
+    servers = []
+
+    def make(engine):
+        servers.append(LiveServer(build_app(engine)))
+        return servers[-1]
+
+    yield make
+    for s in servers:
+        s.stop()
+
+
+def test_any_engine_client_serves_the_api(echo_server):
+    """An engine that is not an LLMEngine serves completions with usage, streams, and its stats
+    appear in /metrics."""
+    server = echo_server(EchoEngine())
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": [5, 6, 7, 8], "max_tokens": 3})
+    assert r.status_code == 200
+    assert r.json()["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7,
+                                 "prompt_tokens_details": {"cached_tokens": 0}}
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": [5, 6], "stream": True, "logprobs": None})
+    assert r.text.rstrip().endswith("data: [DONE]")
+    assert 'matrixinfer:num_requests_running{model_name="echo"} 3.0' in httpx.get(server.url + "/metrics").text
+
+
+def test_engine_failure_is_a_500_and_the_server_lives(echo_server):
+    """A failure inside generation: a non-streamed request gets a 500 in OpenAI's error shape,
+    a streamed one an error event and [DONE]; the next request is served."""
+    server = echo_server(EchoEngine(fail_after=1))
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 3})
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 3, "stream": True})
+    events = [line for line in r.text.splitlines() if line]
+    assert "decode pool lost" in events[-2] and events[-1] == "data: [DONE]"
+    assert httpx.post(server.url + "/v1/completions", json={"prompt": [5], "max_tokens": 1}).status_code == 200
+
+
+def test_a_failing_engine_step_fails_only_the_requests_in_flight(engine, tmp_path, monkeypatch):
+    """When LLMEngine.step raises, AsyncLLMEngine fails the requests in flight (500), frees
+    their blocks, and keeps stepping for the next request."""
+    llm = engine.engine
+    real_step, calls = llm.step, []
+
+    def broken_step():
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("kernel fault")
+        return real_step()
+
+    monkeypatch.setattr(llm, "step", broken_step)
+    server, tenants, ledger = start_service(engine, tmp_path / "serving.db")
+    try:
+        body = {"prompt": list(range(10, 20)), "max_tokens": 8, "ignore_eos": True}
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 500 and "kernel fault" in r.json()["error"]["message"]
+        assert not llm.requests and llm.block_manager.num_free_blocks == len(llm.block_manager.blocks)
+        assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200
+    finally:
+        server.stop()
+        tenants.close()
+        ledger.close()
