@@ -168,9 +168,12 @@ class TokenService:
         stream = self.engine.generate(req)
         try:
             first = await anext(stream)
-        except ValueError as e:
+        except ValueError as e:  # the engine's own checks refused the request
             await stream.aclose()
             raise APIError(400, str(e), param=prompt_param) from e
+        except Exception as e:
+            await stream.aclose()
+            raise APIError(500, f"generation failed: {e}", type="server_error") from e
         meter = _Meter(self, tenant, body.user, arrival, first)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -67,6 +67,9 @@ def test_any_engine_client_serves_the_api(echo_server):
 def test_engine_failure_is_a_500_and_the_server_lives(echo_server):
     """A failure inside generation: a non-streamed request gets a 500 in OpenAI's error shape,
     a streamed one an error event and [DONE]; the next request is served."""
+    server = echo_server(EchoEngine(fail_after=0))
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 3, "stream": True})
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"  # failed before the first token
     server = echo_server(EchoEngine(fail_after=1))
     r = httpx.post(server.url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 3})
     assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
