@@ -254,6 +254,9 @@ machine (torch {meta["torch"]}).
 
 ![training curve](training_curve.png)
 
+(Training losses: running mean over 10 steps. The held-out points during training score only the
+first {tc["eval_windows"]} held-out windows; the table below scores all of them.)
+
 ## Held-out results
 
 Scored on {r["heldout_windows"]} non-overlapping windows of {r["window_tokens"]} tokens over the held-out files
@@ -264,7 +267,7 @@ Scored on {r["heldout_windows"]} non-overlapping windows of {r["window_tokens"]}
 | perplexity (next token) | **{r["perplexity"]:.2f}** |
 | unigram perplexity (add-one token frequencies of the training split, same tokenizer, same tokens) | {r["unigram_perplexity"]:.1f} |
 | next-token top-1 accuracy | {100 * r["top1"]:.1f} % |
-| MTP next-next-token top-1 accuracy | **{100 * r["mtp_top1"]:.1f} %** |
+| MTP next-next-token top-1 accuracy (MTP module given h_i and the true t_(i+1), predicting t_(i+2)) | **{100 * r["mtp_top1"]:.1f} %** |
 | MTP next-next-token perplexity | {r["mtp_perplexity"]:.2f} |
 
 Expert load balance on the held-out set (tokens routed to each of the {cfg["n_routed_experts"]} routed experts,
