@@ -16,6 +16,7 @@ SUBSYSTEMS = [
     "matrixinfer.sim.cli",
     "matrixinfer.ems.cli",
     "matrixinfer.serving.cli",
+    "matrixinfer.train.cli",
 ]
 
 

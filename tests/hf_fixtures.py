@@ -71,6 +71,6 @@ def make_tokenizer(path: Path, vocab_size: int = 300) -> None:
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": "<bos>", "eos_token": "<eos>", "add_bos_token": True,
-        "chat_template": "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+        "chat_template": "{{ bos_token }}{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
                          "{% if add_generation_prompt %}<assistant>{% endif %}",
     }))

@@ -125,7 +125,8 @@ class TokenService:
             text = tok.apply_chat_template(msgs, add_generation_prompt=True)
         except Exception as e:  # the template's own raise_exception(), or a bad template
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from e
-        return self.tokenize_prompt(text, param="messages")
+        # the template already placed bos where it belongs: do not add another
+        return self.tokenize_prompt(text, param="messages", add_special_tokens=False)
 
     def sampling_params(self, body: p._SamplingRequest, prompt_len: int, max_tokens: int | None,
                         logprobs: int | None, prompt_param: str) -> SamplingParams:

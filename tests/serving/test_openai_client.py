@@ -117,3 +117,14 @@ def test_vanishing_top_p_keeps_the_top_token(client):
     r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=1.0, top_p=5e-324,
                                   extra_body={"ignore_eos": True})
     assert r.choices[0].text == greedy
+
+
+def test_chat_prompt_carries_the_templates_bos_once(client, engine):
+    """The chat template places bos itself (as DeepSeek's does); the server must not add a
+    second one when it tokenizes the templated text."""
+    tok = engine.tokenizer
+    msgs = [{"role": "user", "content": "hi"}]
+    ids = tok.encode(tok.apply_chat_template(msgs), add_special_tokens=False)
+    assert ids[0] == tok.bos_token_id and ids[1] != tok.bos_token_id
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=2, temperature=0)
+    assert r.usage.prompt_tokens == len(ids)
