@@ -19,7 +19,7 @@ from torch import nn
 
 from matrixinfer.config import ModelConfig
 from matrixinfer.model.context import ForwardContext, get_context
-from matrixinfer.model.layers import RMSNorm, RotaryEmbedding
+from matrixinfer.model.layers import RMSNorm, RotaryEmbedding, pack_rows
 
 
 class MLAttention(nn.Module):
@@ -45,15 +45,26 @@ class MLAttention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.v_dim, h, bias=False)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim)
         self.kv_cache: torch.Tensor | None = None  # [num_blocks, block_size, kv_lora_rank + rope], set by the engine
+        self.x_proj: torch.Tensor | None = None  # q_a|kv_a (or q|kv_a) packed by pack(): one matmul reads x
+
+    def pack(self) -> None:
+        first = self.q_proj if self.q_lora_rank is None else self.q_a_proj
+        self.x_proj = pack_rows([first, self.kv_a_proj_with_mqa])
 
     # -- the "MLA prolog": projections, norm, rope --------------------------------------------
     def prolog(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
         """x: [..., hidden], rope: (cos, sin) of the positions ->
         q_nope [..., H, nope], q_pe [..., H, rope], c_kv [..., rank], k_pe [..., rope]."""
-        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        first = self.q_proj if self.q_lora_rank is None else self.q_a_proj
+        if self.x_proj is None:
+            q, kv = first(x), self.kv_a_proj_with_mqa(x)
+        else:
+            q, kv = F.linear(x, self.x_proj).split([first.out_features, self.kv_lora_rank + self.rope_dim], dim=-1)
+        if self.q_lora_rank is not None:
+            q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.view(*x.shape[:-1], self.n_heads, self.qk_dim)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        c_kv, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)
         cos, sin = rope
         q_pe = self.rotary(q_pe, cos, sin)

@@ -92,5 +92,14 @@ class DeepseekForCausalLM(nn.Module):
         Returns the module's hidden states; compute_logits() of them predicts t_{i+2}."""
         return self.model.mtp[depth](hidden, self.model.embed_tokens(next_ids), positions)
 
+    def pack_weights(self) -> "DeepseekForCausalLM":
+        """For inference: fuse projections that read the same input and stack the experts
+        (parameters become views; names and memory unchanged). Call after the final
+        .to(device/dtype): moving the model afterwards would break the views."""
+        for module in self.modules():
+            if isinstance(module, (MLAttention, MoE)) or (isinstance(module, MLP) and module.gate_up is None):
+                module.pack()
+        return self
+
     def attention_layers(self) -> list[MLAttention]:
         return [layer.self_attn for layer in self.model.layers] + [m.self_attn for m in self.model.mtp]

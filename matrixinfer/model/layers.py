@@ -24,6 +24,19 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+def pack_rows(linears: list[nn.Linear], out: torch.Tensor | None = None) -> torch.Tensor:
+    """Concatenate the weights of linears that read the same input into one matrix (one
+    matmul instead of several) and make each linear's weight a view into it, so parameter
+    names, state_dict and memory stay as they were."""
+    weights = [lin.weight.data for lin in linears]
+    packed = torch.cat(weights) if out is None else torch.cat(weights, out=out)
+    start = 0
+    for lin, w in zip(linears, weights):
+        lin.weight.data = packed[start:start + w.shape[0]]
+        start += w.shape[0]
+    return packed
+
+
 class MLP(nn.Module):
     """SwiGLU feed-forward: the dense layers, each routed expert and the shared experts."""
 
@@ -32,9 +45,16 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up: torch.Tensor | None = None  # set by pack() for inference
+
+    def pack(self, out: torch.Tensor | None = None) -> None:
+        self.gate_up = pack_rows([self.gate_proj, self.up_proj], out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 def rope_inv_freq(cfg: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:

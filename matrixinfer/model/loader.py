@@ -140,4 +140,4 @@ def load_model(
     missing = sorted(expected - loaded)
     if missing:
         raise CheckpointError(f"checkpoint {model_dir} lacks {len(missing)} tensor(s), first: {missing[:5]}")
-    return model.eval()
+    return model.eval().pack_weights()
