@@ -35,6 +35,9 @@ class EngineBenchResult:
     floor_decode_step_ms: float
     bytes_per_decode_step: int
     memory_bandwidth_gb_s: float
+    flops_per_decode_step: int
+    matmul_gflops: float
+    repeats: int
     matrixinfer_seconds: float
     transformers_seconds: float
     profile_top_ops: list
@@ -51,6 +54,34 @@ def measure_bandwidth(n_bytes: int = 256 * 2**20, repeats: int = 5) -> float:
         dst.copy_(src)
         best = min(best, time.perf_counter() - t)
     return 2 * n_bytes / best
+
+
+def measure_matmul_flops(dtype: torch.dtype, n: int = 1024, repeats: int = 5) -> float:
+    """Dense matmul throughput in FLOP/s at this dtype and thread count."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+def decode_step_flops(model, batch: int, context_len: int) -> int:
+    """Matmul FLOPs of one decode step: every token through the dense weights, the shared and
+    its top-k routed experts and the head, plus absorbed MLA over its latent context."""
+    cfg = model.config
+    per_token = 0
+    for name, p in model.named_parameters():
+        if ".mtp." in name or name == "model.embed_tokens.weight" or p.dim() != 2 or ".mlp.gate." in name:
+            continue
+        share = cfg.num_experts_per_tok / cfg.n_routed_experts if ".mlp.experts." in name else 1.0
+        per_token += 2 * p.numel() * share
+    h, r, rope = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    per_token += cfg.num_hidden_layers * h * 2 * (r + rope + r) * context_len  # scores + weighted latents
+    per_token += cfg.num_hidden_layers * h * 2 * r * (cfg.qk_nope_head_dim + cfg.v_head_dim)  # absorption
+    return int(per_token * batch)
 
 
 def decode_step_bytes(model, batch: int, context_len: int) -> int:
@@ -152,24 +183,45 @@ def run_transformers(model_dir, dtype, prompts, output_len):
     return elapsed, (elapsed - prefill) / max(1, output_len - 1)
 
 
+def _display_path(path) -> str:
+    from pathlib import Path
+
+    p = Path(path).resolve()
+    return str(p.relative_to(Path.cwd())) if p.is_relative_to(Path.cwd()) else str(p)
+
+
+def _median(xs):
+    return sorted(xs)[len(xs) // 2]
+
+
 def run(model_dir: str, requests: int, input_len: int, output_len: int, dtype: str, threads: int,
-        profile: bool = True) -> EngineBenchResult:
+        profile: bool = True, repeats: int = 3) -> EngineBenchResult:
+    """Both sides `repeats` times, interleaved so that drifts of a shared machine hit both;
+    medians reported."""
     torch.set_num_threads(threads)
     from matrixinfer.config import ModelConfig
 
     cfg = ModelConfig.from_pretrained(model_dir)
     prompts = _requests(requests, input_len, cfg.vocab_size)
-    llm, ours_s, ours_step, top_ops = run_matrixinfer(model_dir, dtype, prompts, output_len, profile)
-    hf_s, hf_step = run_transformers(model_dir, dtype, prompts, output_len)
+    ours, hf = [], []
+    for i in range(repeats):
+        llm, s, step, top_ops = run_matrixinfer(model_dir, dtype, prompts, output_len, profile and i == repeats - 1)
+        ours.append((s, step))
+        hf.append(run_transformers(model_dir, dtype, prompts, output_len))
+    ours_s, ours_step = _median([o[0] for o in ours]), _median([o[1] for o in ours])
+    hf_s, hf_step = _median([h[0] for h in hf]), _median([h[1] for h in hf])
     n_out = requests * output_len
     bw = measure_bandwidth()
-    step_bytes = decode_step_bytes(llm.engine.model, requests, input_len + output_len // 2)
+    peak = measure_matmul_flops(llm.engine.model.lm_head.weight.dtype)
+    ctx = input_len + output_len // 2
+    step_bytes = decode_step_bytes(llm.engine.model, requests, ctx)
+    step_flops = decode_step_flops(llm.engine.model, requests, ctx)
     return EngineBenchResult(
-        model=str(model_dir), dtype=dtype, threads=threads, requests=requests, input_len=input_len,
+        model=_display_path(model_dir), dtype=dtype, threads=threads, requests=requests, input_len=input_len,
         output_len=output_len, matrixinfer_tokens_per_s=n_out / ours_s, transformers_tokens_per_s=n_out / hf_s,
         ratio=hf_s / ours_s, matrixinfer_decode_step_ms=ours_step * 1e3, transformers_decode_step_ms=hf_step * 1e3,
-        floor_decode_step_ms=step_bytes / bw * 1e3, bytes_per_decode_step=step_bytes,
-        memory_bandwidth_gb_s=bw / 1e9, matrixinfer_seconds=ours_s, transformers_seconds=hf_s,
+        floor_decode_step_ms=max(step_bytes / bw, step_flops / peak) * 1e3, bytes_per_decode_step=step_bytes,
+        memory_bandwidth_gb_s=bw / 1e9, flops_per_decode_step=step_flops, matmul_gflops=peak / 1e9, repeats=repeats, matrixinfer_seconds=ours_s, transformers_seconds=hf_s,
         profile_top_ops=top_ops,
     )
 
@@ -181,13 +233,16 @@ def report(results: list[EngineBenchResult]) -> None:
     table = markdown_table(["requests", "input", "output", "dtype", "threads", "matrixinfer tok/s",
                             "transformers tok/s", "ratio", "our decode step ms", "HF decode step ms",
                             "floor step ms"], rows)
-    last = results[-1]
+    last = max((r for r in results if r.profile_top_ops), key=lambda r: r.requests, default=results[-1])
     prof = markdown_table(["op", "% self CPU", "ms / step"], last.profile_top_ops) if last.profile_top_ops else ""
     md = (f"## Engine: matrixinfer vs transformers `generate`\n\n"
           f"`matrixinfer bench engine` on `{last.model}`; same checkpoint, dtype, threads and requests on both "
-          f"sides; greedy, `ignore_eos`, outputs of exactly `output` tokens. The floor is the bytes a decode step "
-          f"must read ({last.bytes_per_decode_step / 1e6:.1f} MB: active weights + latent KV) over the measured "
-          f"copy bandwidth ({last.memory_bandwidth_gb_s:.1f} GB/s).\n\n{table}\n\n"
+          f"sides; greedy, `ignore_eos`, outputs of exactly `output` tokens; each side run {last.repeats} times, "
+          f"interleaved, medians shown. The floor of a decode step is the larger of the bytes it must read "
+          f"({last.bytes_per_decode_step / 1e6:.1f} MB at {last.requests} requests: active weights + latent KV) over "
+          f"the measured copy bandwidth ({last.memory_bandwidth_gb_s:.1f} GB/s) and the matmul FLOPs it must do "
+          f"({last.flops_per_decode_step / 1e9:.2f} GFLOP) over the measured dense matmul rate "
+          f"({last.matmul_gflops:.0f} GFLOP/s).\n\n{table}\n\n"
           f"![engine](engine.png)\n\nWhere our decode step's time goes ({last.requests} requests, torch.profiler, "
           f"self CPU time):\n\n{prof}\n")
     write_section("engine", md)
@@ -203,8 +258,8 @@ def plot(results: list[EngineBenchResult]) -> None:
 
     from matrixinfer.bench.report import bench_dir
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    labels = [f"{r.requests} req" for r in results]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    labels = [f"{r.requests} req\n{r.input_len}+{r.output_len}" for r in results]
     x = range(len(results))
     a.bar([i - 0.2 for i in x], [r.matrixinfer_tokens_per_s for r in results], 0.4, label="matrixinfer")
     a.bar([i + 0.2 for i in x], [r.transformers_tokens_per_s for r in results], 0.4, label="transformers")
@@ -213,26 +268,29 @@ def plot(results: list[EngineBenchResult]) -> None:
     a.legend()
     b.bar([i - 0.27 for i in x], [r.matrixinfer_decode_step_ms for r in results], 0.27, label="matrixinfer")
     b.bar(list(x), [r.transformers_decode_step_ms for r in results], 0.27, label="transformers")
-    b.bar([i + 0.27 for i in x], [r.floor_decode_step_ms for r in results], 0.27, label="bandwidth floor")
+    b.bar([i + 0.27 for i in x], [r.floor_decode_step_ms for r in results], 0.27, label="floor (bytes or FLOPs)")
     b.set_xticks(list(x), labels)
     b.set_ylabel("decode step (ms)")
     b.legend()
-    fig.suptitle(f"{results[0].dtype}, {results[0].threads} threads, input {results[0].input_len}, "
-                 f"output {results[0].output_len}")
+    fig.suptitle(f"{results[0].dtype}, {results[0].threads} threads (requests, input+output tokens)")
     fig.tight_layout()
     fig.savefig(bench_dir() / "engine.png", dpi=110)
 
 
 def main(args) -> int:
+    if len(args.input_len) != len(args.output_len):
+        raise ValueError("--input-len and --output-len take the same number of values (they pair up)")
     results = []
-    for n in args.requests:
-        results.append(run(args.model, n, args.input_len, args.output_len, args.dtype, args.threads,
-                           profile=not args.no_profile))
-        r = results[-1]
-        print(f"{n} requests: matrixinfer {r.matrixinfer_tokens_per_s:.1f} tok/s, transformers "
-              f"{r.transformers_tokens_per_s:.1f} tok/s, ratio {r.ratio:.2f}x", flush=True)
+    for input_len, output_len in zip(args.input_len, args.output_len):
+        for n in args.requests:
+            results.append(run(args.model, n, input_len, output_len, args.dtype, args.threads,
+                               profile=not args.no_profile, repeats=args.repeats))
+            r = results[-1]
+            print(f"{n} requests, {input_len}+{output_len} tokens: matrixinfer {r.matrixinfer_tokens_per_s:.1f} "
+                  f"tok/s, transformers {r.transformers_tokens_per_s:.1f} tok/s, ratio {r.ratio:.2f}x", flush=True)
     if not args.no_write:
         report(results)
-    if args.json:
-        print(json.dumps(asdict(results[-1])))
+    if args.json:  # the headline: most requests at the first (default) shape
+        first = [r for r in results if r.input_len == args.input_len[0] and r.output_len == args.output_len[0]]
+        print(json.dumps(asdict(max(first, key=lambda r: r.requests))))
     return 0

@@ -55,10 +55,12 @@ def register(sub, bench_sub) -> None:
     b.add_argument("--model", default=DEFAULT_MODEL)
     b.add_argument("--requests", type=int, nargs="+", default=[1, 8, 32],
                    help="concurrent requests; several values run one after another")
-    b.add_argument("--input-len", type=int, default=128)
-    b.add_argument("--output-len", type=int, default=128)
+    b.add_argument("--input-len", type=int, nargs="+", default=[128, 512],
+                   help="prompt lengths; paired with --output-len, each pair run at every --requests")
+    b.add_argument("--output-len", type=int, nargs="+", default=[128, 256])
     b.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     b.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    b.add_argument("--repeats", type=int, default=3, help="runs of each side, interleaved; medians reported")
     b.add_argument("--no-profile", action="store_true")
     b.add_argument("--no-write", action="store_true", help="do not write benchmarks/")
     b.add_argument("--json", action="store_true", help="print one JSON object on the last line")
