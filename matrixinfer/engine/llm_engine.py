@@ -132,7 +132,7 @@ class LLMEngine:
             for i, (seq, tok) in enumerate(zip(sampled, tokens)):
                 self._append_token(seq, tok, None if logprobs is None else logprobs[i], now)
                 touched[seq.request_id] = self.requests[seq.request_id]
-        self.stats["preemptions"] = sum(s.num_preemptions for r in self.requests.values() for s in r.seqs)
+        self.stats["preemptions"] = self.scheduler.num_preemptions
         outputs = [self._output(r) for r in touched.values()]
         for r in touched.values():
             if r.finished:

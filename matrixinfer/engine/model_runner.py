@@ -28,7 +28,6 @@ class ModelRunner:
 
     def _prepare(self, seqs: list[Sequence], num_tokens: list[int]):
         input_ids, positions, slots, query_lens, context_lens = [], [], [], [], []
-        num_decode = 0
         for seq, n in zip(seqs, num_tokens):
             start = seq.num_computed_tokens
             tokens = seq.all_token_ids[start:start + n]
@@ -38,7 +37,8 @@ class ModelRunner:
                 slots.append(seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size)
             query_lens.append(n)
             context_lens.append(start + n)
-            num_decode += n == 1 and num_decode == len(query_lens) - 1
+        # the scheduler puts one-token queries first: they take the batched absorbed path
+        num_decode = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
         max_blocks = max(len(s.block_table) for s in seqs)
         tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs]
         dev = self.device
