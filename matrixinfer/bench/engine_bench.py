@@ -68,16 +68,22 @@ def measure_matmul_flops(dtype: torch.dtype, n: int = 1024, repeats: int = 5) ->
     return 2 * n**3 / best
 
 
+def _decode_weights(model):
+    """(name, parameter, share of tokens that use it) for each weight a decode step reads:
+    MTP is off and the embedding is a gather of a few rows."""
+    cfg = model.config
+    for name, p in model.named_parameters():
+        if ".mtp." in name or name == "model.embed_tokens.weight":
+            continue
+        yield name, p, cfg.num_experts_per_tok / cfg.n_routed_experts if ".mlp.experts." in name else 1.0
+
+
 def decode_step_flops(model, batch: int, context_len: int) -> int:
     """Matmul FLOPs of one decode step: every token through the dense weights, the shared and
     its top-k routed experts and the head, plus absorbed MLA over its latent context."""
     cfg = model.config
-    per_token = 0
-    for name, p in model.named_parameters():
-        if ".mtp." in name or name == "model.embed_tokens.weight" or p.dim() != 2 or ".mlp.gate." in name:
-            continue
-        share = cfg.num_experts_per_tok / cfg.n_routed_experts if ".mlp.experts." in name else 1.0
-        per_token += 2 * p.numel() * share
+    per_token = sum(2 * p.numel() * share for name, p, share in _decode_weights(model)
+                    if p.dim() == 2 and ".mlp.gate." not in name)
     h, r, rope = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     per_token += cfg.num_hidden_layers * h * 2 * (r + rope + r) * context_len  # scores + weighted latents
     per_token += cfg.num_hidden_layers * h * 2 * r * (cfg.qk_nope_head_dim + cfg.v_head_dim)  # absorption
@@ -86,22 +92,15 @@ def decode_step_flops(model, batch: int, context_len: int) -> int:
 
 def decode_step_bytes(model, batch: int, context_len: int) -> int:
     """Weights a decode step reads (dense weights, shared experts, the routed experts a batch
-    touches in expectation) plus the latent KV it reads."""
+    touches in expectation: an expert is read once if any token routes to it) plus the latent
+    KV it reads."""
     cfg = model.config
     elt = model.lm_head.weight.element_size()
-    total = 0
-    for name, p in model.named_parameters():
-        if ".mtp." in name or name == "model.embed_tokens.weight":
-            continue  # MTP is off; embedding is a gather of `batch` rows
-        if ".mlp.experts." in name:
-            # each expert is read once if any token routes to it
-            p_hit = 1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** batch
-            total += int(p.numel() * p.element_size() * p_hit)
-        else:
-            total += p.numel() * p.element_size()
+    total = sum(p.numel() * p.element_size() * (1 - (1 - share) ** batch)
+                for _, p, share in _decode_weights(model))
     total += batch * cfg.hidden_size * elt
     kv = batch * context_len * cfg.kv_cache_dim * cfg.num_hidden_layers * elt
-    return total + kv
+    return int(total + kv)
 
 
 def _requests(n: int, input_len: int, vocab: int, seed: int = 0) -> list[list[int]]:

@@ -14,7 +14,7 @@ class ModelRunner:
     def __init__(self, model: DeepseekForCausalLM, num_blocks: int, block_size: int, device: torch.device):
         self.model, self.device, self.block_size = model, device, block_size
         cfg = model.config
-        dtype = next(p.dtype for n, p in model.named_parameters() if "mlp.gate." not in n)
+        dtype = model.lm_head.weight.dtype  # the model dtype (the router alone stays float32)
         layers = model.attention_layers()
         # One tensor for all layers: [layers, blocks, block_size, kv_lora_rank + rope]
         self.kv_cache = torch.zeros(len(layers), num_blocks, block_size, cfg.kv_cache_dim, dtype=dtype, device=device)

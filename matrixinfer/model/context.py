@@ -24,10 +24,6 @@ class ForwardContext:
     num_decode_seqs: int
     context_lens_tensor: torch.Tensor | None = None  # [num_seqs] on device
 
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decode_seqs
-
 
 _CONTEXT: ForwardContext | None = None
 

@@ -57,23 +57,24 @@ def _keys(path: Path) -> list[str]:
         return list(f.keys())
 
 
-def _target_names(name: str, cfg: ModelConfig, with_mtp: bool):
-    """Map one checkpoint tensor name to [(our name, slice or None)]; [] means skip."""
+def _target_name(name: str, cfg: ModelConfig, with_mtp: bool) -> str | None:
+    """Our name for one checkpoint tensor; None means skip it. Fused expert tensors map to
+    `<prefix>.*.<kind>`, expanded per expert by the caller."""
     m = re.match(r"model\.layers\.(\d+)\.(.*)", name)
     if m and int(m.group(1)) >= cfg.num_hidden_layers:
         k, rest = int(m.group(1)) - cfg.num_hidden_layers, m.group(2)
         if not with_mtp or k >= cfg.num_nextn_predict_layers:
-            return []
+            return None
         if rest in ("embed_tokens.weight", "shared_head.head.weight"):
-            return []
-        return [(f"model.mtp.{k}.{rest}", None)]
+            return None
+        return f"model.mtp.{k}.{rest}"
     fused = re.match(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$", name)
     if fused:
         prefix, kind = fused.groups()
-        return [(f"{prefix}.*.{kind}", None)]  # expanded per expert by the caller
+        return f"{prefix}.*.{kind}"
     if name.endswith("rotary_emb.inv_freq"):
-        return []
-    return [(name, None)]
+        return None
+    return name
 
 
 def load_model(
@@ -107,10 +108,14 @@ def load_model(
         expected.discard("lm_head.weight")
     loaded: set[str] = set()
 
+    def held_elsewhere(name: str) -> bool:
+        """An expert weight of an expert this process does not hold (expert parallelism)."""
+        return expert_ids is not None and name not in params and bool(re.search(r"\.mlp\.experts\.\d+\.", name))
+
     def copy(name: str, tensor: torch.Tensor, source: str):
+        if held_elsewhere(name):
+            return
         if name not in params:
-            if re.search(r"\.mlp\.experts\.\d+\.", name) and expert_ids is not None:
-                return  # an expert this process does not hold
             raise CheckpointError(f"unexpected tensor {source!r} in checkpoint (maps to {name!r})")
         p = params[name]
         if tuple(p.shape) != tuple(tensor.shape):
@@ -124,19 +129,21 @@ def load_model(
             for source in f.keys():
                 if "float8" in str(f.get_slice(source).get_dtype()).lower() or source.endswith("weight_scale_inv"):
                     raise CheckpointError(f"tensor {source!r} is FP8-quantized: dequantize the checkpoint to bf16 first")
-                for target, _ in _target_names(source, cfg, with_mtp):
-                    if ".*." in target:  # fused experts [E, ...]
-                        t = f.get_tensor(source)
-                        base, kind = target.split(".*.")
-                        for e in range(t.shape[0]):
-                            if kind == "gate_up_proj":
-                                gate, up = t[e].chunk(2, dim=0)
-                                copy(f"{base}.{e}.gate_proj.weight", gate, source)
-                                copy(f"{base}.{e}.up_proj.weight", up, source)
-                            else:
-                                copy(f"{base}.{e}.down_proj.weight", t[e], source)
-                    elif target in params or not re.search(r"\.mlp\.experts\.\d+\.", target) or expert_ids is None:
-                        copy(target, f.get_tensor(source), source)
+                target = _target_name(source, cfg, with_mtp)
+                if target is None or held_elsewhere(target):
+                    continue  # not read from disk at all
+                if ".*." in target:  # fused experts [E, ...]
+                    t = f.get_tensor(source)
+                    base, kind = target.split(".*.")
+                    for e in range(t.shape[0]):
+                        if kind == "gate_up_proj":
+                            gate, up = t[e].chunk(2, dim=0)
+                            copy(f"{base}.{e}.gate_proj.weight", gate, source)
+                            copy(f"{base}.{e}.up_proj.weight", up, source)
+                        else:
+                            copy(f"{base}.{e}.down_proj.weight", t[e], source)
+                else:
+                    copy(target, f.get_tensor(source), source)
     missing = sorted(expected - loaded)
     if missing:
         raise CheckpointError(f"checkpoint {model_dir} lacks {len(missing)} tensor(s), first: {missing[:5]}")
