@@ -13,7 +13,7 @@ from matrixinfer.config import CacheConfig, SchedulerConfig
 from matrixinfer.engine.block_manager import BlockManager
 from matrixinfer.engine.model_runner import ModelRunner
 from matrixinfer.engine.outputs import CompletionOutput, RequestOutput
-from matrixinfer.engine.sampler import sample
+from matrixinfer.engine.sampler import SamplingRow, sample
 from matrixinfer.engine.sampling_params import SamplingParams
 from matrixinfer.engine.scheduler import Scheduler
 from matrixinfer.engine.sequence import Logprob, Sequence, SequenceStatus
@@ -127,10 +127,19 @@ class LLMEngine:
         sampled = [s for s, m in zip(batch.seqs, samples) if m]
         touched: dict[str, Request] = {}
         if sampled:
-            tokens, logprobs = sample(logits, [s.params for s in sampled], [s.generator for s in sampled])
+            eos = tuple(self.eos_token_ids)
+            out = sample(logits, [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, s.generator, eos)
+                                  for s in sampled])
+            tokens = out.token_ids.tolist()
+            lps = None if out.logprobs is None else out.logprobs.tolist()
+            tops = None if out.top_ids is None else (out.top_ids.tolist(), out.top_logprobs.tolist())
             now = time.monotonic()
             for i, (seq, tok) in enumerate(zip(sampled, tokens)):
-                self._append_token(seq, tok, None if logprobs is None else logprobs[i], now)
+                lp = None
+                if lps is not None and seq.params.logprobs is not None:
+                    k = seq.params.logprobs
+                    lp = Logprob(tok, lps[i], dict(zip(tops[0][i][:k], tops[1][i][:k])) if tops and k else {})
+                self._append_token(seq, tok, lp, now)
                 touched[seq.request_id] = self.requests[seq.request_id]
         self.stats["preemptions"] = self.scheduler.num_preemptions
         outputs = [self._output(r) for r in touched.values()]
@@ -139,19 +148,14 @@ class LLMEngine:
                 del self.requests[r.request_id]
         return outputs
 
-    def _append_token(self, seq: Sequence, token: int, logprobs: torch.Tensor | None, now: float) -> None:
+    def _append_token(self, seq: Sequence, token: int, logprob: Logprob | None, now: float) -> None:
         p = seq.params
         seq.output_token_ids.append(token)
         if seq.first_token_time is None:
             seq.first_token_time = now
-        if logprobs is not None:
-            lp = float(logprobs[token])
-            top = {}
-            if p.logprobs:
-                vals, idx = logprobs.topk(p.logprobs)
-                top = dict(zip(idx.tolist(), vals.tolist()))
-            seq.logprobs.append(Logprob(token, lp, top))
-            seq.cumulative_logprob += lp
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+            seq.cumulative_logprob += logprob.logprob
         n_out = len(seq.output_token_ids)
         if self.tokenizer is not None:
             seq.output_text = self.tokenizer.decode_incremental(seq.output_token_ids, seq.output_text,

@@ -12,6 +12,10 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0: disabled
     min_p: float = 0.0
+    presence_penalty: float = 0.0  # subtracted once from every token already in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # divides positive / multiplies negative logits of prompt and output tokens
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     seed: int | None = None
     max_tokens: int | None = 16
     min_tokens: int = 0
@@ -39,6 +43,17 @@ class SamplingParams:
             errors.append(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
         if not 0 <= self.min_p <= 1:
             errors.append(f"min_p must be in [0, 1], got {self.min_p}")
+        if not -2 <= self.presence_penalty <= 2:
+            errors.append(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2 <= self.frequency_penalty <= 2:
+            errors.append(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if not self.repetition_penalty > 0:
+            errors.append(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
+        if any(not -100 <= v <= 100 for v in self.logit_bias.values()):
+            errors.append("logit_bias values must be in [-100, 100]")
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            errors.append(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         if self.max_tokens is not None and self.max_tokens < 1:
             errors.append(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.logprobs is not None and self.logprobs < 0:
@@ -51,3 +66,7 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1.0
