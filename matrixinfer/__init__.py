@@ -1,4 +1,4 @@
-"""matrixinfer: CloudMatrix-Infer (PDC serving for DeepSeek-style MoE models) in Python."""
+"""matrixinfer: CloudMatrix-Infer (serving for DeepSeek-style MoE models) in Python."""
 
 __version__ = "0.1.0"
 
@@ -6,7 +6,7 @@ __version__ = "0.1.0"
 def __getattr__(name):
     # Lazy so that `import matrixinfer.sim` does not pay for torch.
     if name in ("LLM", "SamplingParams"):
-        from matrixinfer import engine
+        from matrixinfer import frontend
 
-        return getattr(engine, name)
+        return getattr(frontend, name)
     raise AttributeError(name)

@@ -12,7 +12,7 @@ import importlib
 import sys
 
 SUBSYSTEMS = [
-    "matrixinfer.engine.cli",
+    "matrixinfer.frontend.cli",
     "matrixinfer.sim.cli",
     "matrixinfer.ems.cli",
     "matrixinfer.serving.cli",

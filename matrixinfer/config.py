@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+DEFAULT_MODEL = str(Path(__file__).resolve().parents[1] / "models" / "matrixinfer-tiny-moe")
+
 
 @dataclass
 class RopeConfig:
@@ -162,8 +164,9 @@ class ModelConfig:
 @dataclass
 class CacheConfig:
     block_size: int = 16
-    num_blocks: int | None = None  # None: sized from max_num_seqs * max_model_len
+    num_blocks: int | None = None  # None: sized from kv_cache_memory_gb and max_num_seqs * max_model_len
     enable_prefix_caching: bool = True
+    kv_cache_memory_gb: float = 1.0
 
 
 @dataclass
@@ -171,3 +174,139 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048  # token budget per step (prefill chunks + decodes)
     max_model_len: int | None = None
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    data_parallel_size: int = 1
+    executor: str = "auto"  # "uni" (in-process) | "mp" (one OS process per rank) | auto: mp when world > 1
+    distributed_timeout_s: float = 120.0
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.expert_parallel_size
+
+    def executor_kind(self) -> str:
+        if self.executor == "auto":
+            return "mp" if self.world_size > 1 else "uni"
+        return self.executor
+
+
+@dataclass
+class KVTransferConfig:
+    connector: str | None = None  # None | "ems"
+    ems_controller: str | None = None  # HOST:PORT of the EMS controller
+    ems_namespace: str = "kv"  # EMS namespace the pages live in (tenants are salted into the keys)
+    ems_timeout_s: float = 2.0
+
+
+@dataclass
+class SpeculativeConfig:
+    method: str | None = None  # "mtp" (its own issue)
+    num_speculative_tokens: int = 0
+
+
+@dataclass
+class QuantizationConfig:
+    method: str | None = None  # "w8a8" (its own issue)
+
+
+@dataclass
+class EngineConfig:
+    """Everything an engine instance needs, built once (from_kwargs for LLM(...), from_cli for
+    `serve` / `generate` / the benches) and handed to the engine core, executor and workers."""
+    model: str = ""
+    dtype: str = "auto"
+    device: str = "cpu"
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
+
+    # flat keyword name -> (section, field); the names users know from vLLM
+    _FLAT = {
+        "block_size": ("cache", "block_size"), "num_blocks": ("cache", "num_blocks"),
+        "enable_prefix_caching": ("cache", "enable_prefix_caching"),
+        "kv_cache_memory_gb": ("cache", "kv_cache_memory_gb"),
+        "max_num_seqs": ("scheduler", "max_num_seqs"),
+        "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
+        "max_model_len": ("scheduler", "max_model_len"),
+        "tensor_parallel_size": ("parallel", "tensor_parallel_size"),
+        "expert_parallel_size": ("parallel", "expert_parallel_size"),
+        "data_parallel_size": ("parallel", "data_parallel_size"),
+        "distributed_executor_backend": ("parallel", "executor"),
+        "quantization": ("quantization", "method"),
+    }
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs) -> "EngineConfig":
+        cfg = cls(model=str(model))
+        sections = {"kv_transfer_config": "kv_transfer", "speculative_config": "speculative"}
+        for key, value in kwargs.items():
+            if key in ("dtype", "device", "seed"):
+                setattr(cfg, key, value)
+            elif key in cls._FLAT:
+                section, name = cls._FLAT[key]
+                setattr(getattr(cfg, section), name, value)
+            elif key in sections:
+                section = getattr(cfg, sections[key])
+                for k, v in (value or {}).items():
+                    if not hasattr(section, k):
+                        raise ValueError(f"unknown {key} field {k!r}")
+                    setattr(section, k, v)
+            else:
+                raise TypeError(f"unknown engine argument {key!r}")
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        if self.parallel.world_size < 1 or self.parallel.tensor_parallel_size < 1:
+            raise ValueError("parallel sizes must be >= 1")
+        if self.parallel.expert_parallel_size != 1 or self.parallel.data_parallel_size != 1:
+            raise ValueError("expert_parallel_size and data_parallel_size > 1 are not built yet")
+        if self.parallel.executor not in ("auto", "uni", "mp"):
+            raise ValueError(f"unknown executor {self.parallel.executor!r} (auto, uni, mp)")
+        if self.parallel.executor == "uni" and self.parallel.world_size > 1:
+            raise ValueError("the in-process executor runs one rank; use executor 'mp' for parallel sizes > 1")
+        if self.kv_transfer.connector not in (None, "ems"):
+            raise ValueError(f"unknown kv connector {self.kv_transfer.connector!r} (supported: ems)")
+        if self.kv_transfer.connector == "ems" and not self.kv_transfer.ems_controller:
+            raise ValueError("the ems kv connector needs ems_controller HOST:PORT")
+        if self.speculative.method is not None:
+            raise ValueError("speculative decoding is not built yet")
+        if self.quantization.method is not None:
+            raise ValueError("quantization is not built yet")
+
+    @staticmethod
+    def add_cli_args(p) -> None:
+        """The engine flags shared by `serve`, `generate` and the benches."""
+        p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+        p.add_argument("--device", default="cpu")
+        p.add_argument("--block-size", type=int, default=16)
+        p.add_argument("--num-blocks", type=int, default=None)
+        p.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
+        p.add_argument("--no-prefix-caching", action="store_true")
+        p.add_argument("--max-num-seqs", type=int, default=64)
+        p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
+        p.add_argument("--max-model-len", type=int, default=None)
+        p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+        p.add_argument("--distributed-executor-backend", default="auto", choices=["auto", "uni", "mp"])
+        p.add_argument("--kv-connector", default=None, choices=["ems"])
+        p.add_argument("--ems-controller", default=None, help="HOST:PORT of the EMS controller")
+        p.add_argument("--seed", type=int, default=0)
+
+    @classmethod
+    def from_cli(cls, args) -> "EngineConfig":
+        kv = {"connector": args.kv_connector, "ems_controller": args.ems_controller}
+        return cls.from_kwargs(
+            args.model, dtype=args.dtype, device=args.device, seed=args.seed or 0,
+            block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
+            enable_prefix_caching=not args.no_prefix_caching, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+            tensor_parallel_size=args.tensor_parallel_size,
+            distributed_executor_backend=args.distributed_executor_backend, kv_transfer_config=kv)

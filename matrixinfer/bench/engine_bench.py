@@ -149,7 +149,7 @@ def profile_decode(llm, prompts, output_len, steps: int = 10) -> list:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             engine.step()
-    for rid in list(engine.requests):
+    for rid in list(engine.output_processor.requests):
         engine.abort_request(rid)
     events = prof.key_averages()
     total = sum(e.self_cpu_time_total for e in events) or 1

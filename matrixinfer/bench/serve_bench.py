@@ -29,7 +29,7 @@ import numpy as np
 from tqdm import tqdm
 
 from matrixinfer.bench.report import bench_dir, markdown_table, save_json, write_section
-from matrixinfer.engine.llm import DEFAULT_MODEL
+from matrixinfer.config import DEFAULT_MODEL
 
 WORDS = ("alpha beta gamma delta prefill decode expert router cache page block token latent "
          "attention matrix supernode memory pool namespace tenant stream").split()

@@ -1,39 +1,29 @@
 """Context cache: KV pages of a prompt prefix stored in EMS, addressed by a chained hash.
 
-Page i of a token sequence is keyed by h_i = H(h_{i-1} || tokens of page i), with
-h_{-1} = H(model id, namespace). So a page key names its *whole* prefix: two prompts share
-page i only if they agree on every token up to the end of page i, and pages of different
-models or tenants never collide. Only full pages are cached (a partial page would change as
-the sequence grows).
+Page keys are the engine's block names (`matrixinfer.engine.block_hash`): page i of a token
+sequence is keyed by h_i = H(h_{i-1} || tokens of page i), with h_{-1} = H(model id, KV dtype,
+namespace). So a page key names its *whole* prefix, pages of different models or tenants
+never collide, and a page an engine saved is found here under the same key. Only full pages
+are cached (a partial page would change as the sequence grows).
 """
 
 from __future__ import annotations
 
-import hashlib
-
-import numpy as np
+from matrixinfer.engine.block_hash import block_hashes, page_key, root_hash
 
 from .client import EMSClient
 
 
 class ContextCache:
-    def __init__(self, client: EMSClient, model_id: str, page_tokens: int = 128):
+    def __init__(self, client: EMSClient, model_id: str, page_tokens: int = 128, kv_dtype: str = ""):
         if not 1 <= page_tokens <= 4096:
             raise ValueError("page_tokens must be in 1..4096 (the paper uses 128-512)")
-        self.client, self.model_id, self.page_tokens = client, model_id, page_tokens
+        self.client, self.model_id, self.page_tokens, self.kv_dtype = client, model_id, page_tokens, kv_dtype
 
     def page_keys(self, token_ids) -> list[str]:
         """Keys of the full pages of `token_ids`, in order."""
-        toks = np.asarray(token_ids, dtype=np.int64)
-        if toks.ndim != 1:
-            raise ValueError("token_ids must be a flat sequence of ints")
-        h = hashlib.blake2b(f"{self.model_id}\0{self.client.ns}".encode(), digest_size=16).digest()
-        keys = []
-        for i in range(len(toks) // self.page_tokens):
-            page = toks[i * self.page_tokens : (i + 1) * self.page_tokens].tobytes()
-            h = hashlib.blake2b(h + page, digest_size=16).digest()
-            keys.append("kv:" + h.hex())
-        return keys
+        root = root_hash(self.model_id, self.client.ns, self.kv_dtype)
+        return [page_key(h) for h in block_hashes(token_ids, self.page_tokens, root)]
 
     def match_prefix(self, token_ids) -> int:
         """Number of leading full pages of `token_ids` present in the pool."""

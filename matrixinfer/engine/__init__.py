@@ -1,8 +1,7 @@
-"""One serving instance: scheduler, paged latent KV cache, model runner, sampler, offline API."""
+"""The engine core: token ids in, token ids out (scheduler, KV cache manager, request state)."""
 
-from matrixinfer.engine.llm import DEFAULT_MODEL, LLM
-from matrixinfer.engine.llm_engine import LLMEngine
-from matrixinfer.engine.outputs import CompletionOutput, RequestOutput
+from matrixinfer.engine.core import EngineCore
+from matrixinfer.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from matrixinfer.engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "DEFAULT_MODEL"]
+__all__ = ["EngineCore", "EngineCoreRequest", "EngineCoreOutput", "EngineCoreOutputs", "SamplingParams"]

@@ -1,94 +1,233 @@
-"""Continuous batching: every step, running sequences continue (one decode token each, or the
-next chunk of a long prompt) and waiting ones join, under a token budget and a sequence cap.
-When cache blocks run out, the most recently admitted running sequence is preempted: its
-blocks are freed and it is recomputed later (its prefix blocks likely still cached).
+"""Continuous batching, and every change to a request's state.
+
+schedule(): running requests continue (one decode token each, or the next chunk of a long
+prompt), then waiting ones join, under a token budget and a request cap. A joining request
+first takes its locally cached prefix blocks, then asks the KV connector how many more of its
+tokens the pool holds (their KV is loaded instead of computed). When blocks run out, the most
+recently admitted running request is preempted: its blocks are freed and it is recomputed
+later (its prefix blocks likely still cached).
+
+update_from_output(): after the workers ran the step, advance computed counts, append sampled
+tokens, check stops on token ids (eos, stop ids, max_tokens, context), free finished
+requests, and turn failed KV loads into recomputation.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from matrixinfer.engine.block_manager import BlockManager
-from matrixinfer.engine.sequence import Sequence, SequenceStatus
+from matrixinfer.config import CacheConfig, SchedulerConfig
+from matrixinfer.engine.kv_cache_manager import KVCacheManager
+from matrixinfer.engine.messages import EngineCoreOutput, SchedulerStats
+from matrixinfer.engine.request import Logprob, Request, RequestStatus
+from matrixinfer.engine.sampling_params import SamplingParams
 
 
 @dataclass
-class ScheduledBatch:
-    seqs: list[Sequence]  # decode-like (1 token) first, then prefill chunks
-    num_tokens: list[int]
+class ScheduledRequest:
+    """What a worker needs of one request for one step (no state is kept across steps on the
+    workers beside per-request RNGs, so any rank can run any step)."""
+    request_id: str
+    token_ids: list[int]  # tokens computed this step
+    start_pos: int  # position of token_ids[0]
+    block_table: list[int]
+    sample: bool  # this step reaches the last known token: sample the next one
+    params: SamplingParams | None = None  # when sample
+    prompt_token_ids: list[int] | None = None  # when sample with penalties
+    output_token_ids: list[int] | None = None
+    eos_token_ids: tuple[int, ...] = ()
 
-    def __bool__(self) -> bool:
-        return bool(self.seqs)
+
+@dataclass
+class SchedulerOutput:
+    requests: list[ScheduledRequest]  # the first num_decode are one-token decode rows
+    num_decode: int
+    finished_request_ids: list[str] = field(default_factory=list)
+    kv_connector_metadata: object | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.requests)
+
+
+@dataclass
+class ModelRunnerOutput:
+    request_ids: list[str]  # the requests that sampled, in batch order
+    sampled_token_ids: list[int]
+    logprobs: list[Logprob | None] | None = None
+    failed_kv_load_request_ids: set[str] = field(default_factory=set)  # their scheduled tokens did not run
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
-        self.block_manager = block_manager
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
-        self.num_preemptions = 0
+    def __init__(self, sched: SchedulerConfig, cache: CacheConfig, kv: KVCacheManager, max_model_len: int,
+                 connector=None):
+        self.max_num_seqs, self.max_num_batched_tokens = sched.max_num_seqs, sched.max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.kv = kv
+        self.connector = connector  # scheduler half of a KV connector, or None
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished_ids: list[str] = []  # finished since the last schedule, for the workers
+        self.stats = SchedulerStats()
 
-    def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+    def add_request(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _preempt(self, seq: Sequence) -> None:
-        self.running.remove(seq)
-        self.block_manager.free_seq(seq)
-        seq.status = SequenceStatus.WAITING
-        seq.num_computed_tokens = 0
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.appendleft(seq)
-
-    def schedule(self) -> ScheduledBatch:
-        budget = self.max_num_batched_tokens
-        scheduled: dict[int, int] = {}
-        # 1. running sequences, oldest first; preempt from the tail when blocks run out
-        for seq in list(self.running):
-            if seq not in self.running or budget == 0:
+    def finish_requests(self, request_ids, status: RequestStatus) -> list[Request]:
+        done = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
                 continue
-            want = min(seq.num_uncomputed, budget)
-            while (got := self.block_manager.allocate(seq, want)) is None:
+            if req in self.running:
+                self.running.remove(req)
+            elif req in self.waiting:
+                self.waiting.remove(req)
+            self._free(req, status)
+            done.append(req)
+        return done
+
+    def _free(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        if self.connector is not None:
+            self.connector.request_finished(req)  # saves are synchronous here: blocks can go at once
+        self.kv.free(req)
+        self.requests.pop(req.request_id, None)
+        self.finished_ids.append(req.request_id)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # -- schedule ---------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: dict[str, int] = {}
+        # 1. running requests, oldest first; preempt from the tail when blocks run out
+        for req in list(self.running):
+            if req not in self.running or budget == 0:
+                continue
+            want = min(req.num_uncomputed, budget)
+            while not self.kv.allocate_slots(req, want):
                 victim = self.running[-1]
                 self._preempt(victim)
-                scheduled.pop(victim.seq_id, None)
-                if victim is seq:
+                scheduled.pop(victim.request_id, None)
+                if victim is req:
                     break
-            if got is None:
+            if req.status is not RequestStatus.RUNNING:
                 continue
-            scheduled[seq.seq_id] = got
-            budget -= got
-        # 2. waiting sequences join while there is budget, room and cache
+            scheduled[req.request_id] = want
+            budget -= want
+        # 2. waiting requests join while there is budget, room and cache
+        loads: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            want = min(seq.num_uncomputed, budget)
-            got = self.block_manager.allocate(seq, want)
-            if got is None:
+            req = self.waiting[0]
+            blocks, num_local = self.kv.get_computed_blocks(req)
+            num_external = 0
+            if self.connector is not None and not req.kv_load_failed and req.num_cached_tokens < 0:
+                num_external = self.connector.get_num_new_matched_tokens(req, num_local)
+            want = min(req.num_tokens - num_local - num_external, budget)
+            if not self.kv.allocate_slots(req, want, blocks, num_external):
                 if not self.running and not scheduled:
-                    raise RuntimeError(
-                        f"sequence of {len(seq)} tokens does not fit in the KV cache "
-                        f"({len(self.block_manager.blocks)} blocks of {self.block_manager.block_size})"
-                    )
+                    raise RuntimeError(f"a request of {req.num_tokens} tokens does not fit in the KV cache "
+                                       f"({self.kv.num_blocks} blocks of {self.kv.block_size})")
                 break
             self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            scheduled[seq.seq_id] = got
-            budget -= got
-        seqs = [s for s in self.running if s.seq_id in scheduled]
-        seqs.sort(key=lambda s: scheduled[s.seq_id] != 1)  # one-token queries first (absorbed decode path)
-        return ScheduledBatch(seqs, [scheduled[s.seq_id] for s in seqs])
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_local + num_external
+                self.stats.external_cache_hits += num_external
+            req.num_computed_tokens = num_local + num_external
+            req.num_external_tokens = num_external
+            if num_external:
+                self.connector.update_state_after_alloc(req, num_local, num_external)
+                loads.append(req)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled[req.request_id] = want
+            budget -= want
+        # decode rows first: the runner serves them with the batched absorbed-MLA path
+        reqs = sorted((r for r in self.running if r.request_id in scheduled),
+                      key=lambda r: scheduled[r.request_id] != 1)
+        out = SchedulerOutput([self._scheduled(r, scheduled[r.request_id]) for r in reqs],
+                              num_decode=sum(1 for r in reqs if scheduled[r.request_id] == 1),
+                              finished_request_ids=self.finished_ids)
+        self.finished_ids = []
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out, [self.requests[r.request_id] for r in out.requests])
+        return out
 
-    def finish(self, seq: Sequence) -> None:
-        seq.status = SequenceStatus.FINISHED
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
-        self.block_manager.free_seq(seq)
+    def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        sample = start + n == req.num_tokens
+        penalties = sample and req.params.has_penalties
+        return ScheduledRequest(
+            req.request_id, req.all_token_ids[start:start + n], start, list(req.block_table), sample,
+            req.params if sample else None,
+            req.prompt_token_ids if penalties else None, req.output_token_ids if penalties else None,
+            req.eos_token_ids if sample else ())
+
+    # -- update -----------------------------------------------------------------------------------
+    def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        self.stats.steps += 1
+        for s in sched.requests:
+            req = self.requests.get(s.request_id)
+            if req is None:
+                continue
+            if s.request_id in out.failed_kv_load_request_ids:
+                # the loaded prefix is not trusted: recompute it (blocks stay allocated)
+                req.num_computed_tokens -= req.num_external_tokens
+                req.num_cached_tokens -= req.num_external_tokens
+                self.stats.external_cache_hits -= req.num_external_tokens
+                req.num_external_tokens, req.kv_load_failed = 0, True
+                continue
+            req.num_external_tokens = 0
+            n = len(s.token_ids)
+            is_decode = n == 1 and req.output_token_ids
+            self.stats.decode_tokens += n if is_decode else 0
+            self.stats.prefill_tokens += 0 if is_decode else n
+            req.num_computed_tokens += n
+            self.kv.cache_full_blocks(req)
+        outputs = []
+        logprobs = out.logprobs or [None] * len(out.request_ids)
+        for rid, token, lp in zip(out.request_ids, out.sampled_token_ids, logprobs):
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            req.output_token_ids.append(token)
+            status = self._check_stop(req, token)
+            if status is not None:
+                self.running.remove(req)
+                self._free(req, status)
+            outputs.append(EngineCoreOutput(
+                rid, [token], None if lp is None else [lp], None if status is None else status.value,
+                req.stop_reason, num_cached_tokens=max(req.num_cached_tokens, 0), num_preemptions=req.num_preemptions))
+        return outputs
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        p, n_out = req.params, len(req.output_token_ids)
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and token in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in p.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if (p.max_tokens is not None and n_out >= p.max_tokens) or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def make_stats(self) -> SchedulerStats:
+        s = self.stats
+        s.num_running, s.num_waiting, s.kv_cache_usage = len(self.running), len(self.waiting), self.kv.usage
+        s.prefix_cache_queries, s.prefix_cache_hits = self.kv.prefix_queries, self.kv.prefix_hits
+        return SchedulerStats(**s.__dict__)

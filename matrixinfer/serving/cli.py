@@ -7,7 +7,7 @@ import json
 import sys
 from datetime import datetime, timezone
 
-from matrixinfer.engine.llm import DEFAULT_MODEL
+from matrixinfer.config import DEFAULT_MODEL
 from matrixinfer.serving.ledger import Prices
 from matrixinfer.serving.db import DEFAULT_DB
 from matrixinfer.serving.tenants import PERIODS

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from matrixinfer.engine.outputs import CompletionOutput, RequestOutput
-from matrixinfer.engine.sequence import Logprob
+from matrixinfer.frontend.outputs import CompletionOutput, RequestOutput
+from matrixinfer.engine.request import Logprob
 
 
 def usage(out: RequestOutput) -> dict:

@@ -5,10 +5,8 @@ interleaved and plain rope)."""
 import torch
 
 from matrixinfer import LLM, SamplingParams
-from matrixinfer.engine.block_manager import BlockManager
-from matrixinfer.engine.model_runner import ModelRunner
-from matrixinfer.engine.sequence import Sequence
 from matrixinfer.model.loader import load_model
+from tests.paged import PagedSequence
 
 
 def rel_err(a, b):
@@ -34,21 +32,10 @@ def test_paged_decode_steps_match_transformers(hf_checkpoint):
     ids = torch.randint(0, ours.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = hf(ids).logits[0]
-    bm = BlockManager(num_blocks=16, block_size=4)
-    runner = ModelRunner(ours, num_blocks=16, block_size=4, device=torch.device("cpu"))
-    from matrixinfer.engine.sampling_params import SamplingParams as SP
-
-    seq = Sequence("r", 0, ids[0, :10].tolist(), SP())
-    assert bm.allocate(seq, 10) == 10
-    logits = runner.run([seq], [10], [True])
-    assert rel_err(logits[0], ref[9]) < 1e-4
-    seq.num_computed_tokens = 10
+    seq = PagedSequence(ours, num_blocks=16, block_size=4)
+    assert rel_err(seq.step(ids[0, :10].tolist()), ref[9]) < 1e-4
     for t in range(10, 30):
-        seq.output_token_ids.append(int(ids[0, t]))
-        assert bm.allocate(seq, 1) == 1
-        logits = runner.run([seq], [1], [True])
-        seq.num_computed_tokens += 1
-        assert rel_err(logits[0], ref[t]) < 1e-4, f"step {t}"
+        assert rel_err(seq.step([int(ids[0, t])]), ref[t]) < 1e-4, f"step {t}"
 
 
 def test_absorbed_and_unabsorbed_attention_agree(hf_checkpoint):
@@ -71,7 +58,7 @@ def test_greedy_generation_token_identical(hf_checkpoint):
     path, hf = hf_checkpoint
     llm = LLM(model=path, dtype="float32", block_size=4, max_num_batched_tokens=24)
     g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(2, llm.engine.config.vocab_size, (n,), generator=g).tolist() for n in (5, 17, 9, 30)]
+    prompts = [torch.randint(2, llm.engine.model_config.vocab_size, (n,), generator=g).tolist() for n in (5, 17, 9, 30)]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for p, o in zip(prompts, outs):

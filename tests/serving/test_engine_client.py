@@ -7,7 +7,7 @@ import asyncio
 import httpx
 import pytest
 
-from matrixinfer.engine.outputs import CompletionOutput, RequestOutput
+from matrixinfer.frontend.outputs import CompletionOutput, RequestOutput
 from matrixinfer.serving import EngineStats, build_app
 from tests.serving.conftest import LiveServer, start_service
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from matrixinfer.engine.sampler import SamplingRow, filter_logits, sample
+from matrixinfer.worker.sampler import SamplingRow, filter_logits, sample
 from matrixinfer.engine.sampling_params import SamplingParams
 
 LOGITS = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.1]))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from matrixinfer.engine.sequence import Logprob
+from matrixinfer.engine.request import Logprob
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The offline API, as in vLLM: `LLM(model=DIR).generate(prompts, SamplingParams(...))`."""
+"""The offline API, as in vLLM: `LLM(model=DIR, **engine args).generate(prompts, SamplingParams(...))`."""
 
 from __future__ import annotations
 
@@ -8,26 +8,20 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from matrixinfer.config import CacheConfig, SchedulerConfig
-from matrixinfer.engine.llm_engine import LLMEngine
-from matrixinfer.engine.outputs import RequestOutput
+from matrixinfer.config import DEFAULT_MODEL, EngineConfig
 from matrixinfer.engine.sampling_params import SamplingParams
-
-DEFAULT_MODEL = str(Path(__file__).resolve().parents[2] / "models" / "matrixinfer-tiny-moe")
+from matrixinfer.frontend.llm_engine import LLMEngine
+from matrixinfer.frontend.outputs import RequestOutput
 
 
 class LLM:
-    def __init__(self, model: str | Path = DEFAULT_MODEL, dtype: str = "auto", device: str = "cpu",
-                 block_size: int = 16, num_blocks: int | None = None, enable_prefix_caching: bool = True,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
-                 kv_cache_memory_gb: float = 1.0, seed: int = 0):
-        self.engine = LLMEngine(
-            model, dtype=dtype, device=device,
-            cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                      max_model_len=max_model_len),
-            kv_cache_memory_gb=kv_cache_memory_gb, seed=seed,
-        )
+    """Engine arguments are vLLM's names: dtype, device, seed, block_size, num_blocks,
+    enable_prefix_caching, kv_cache_memory_gb, max_num_seqs, max_num_batched_tokens,
+    max_model_len, tensor_parallel_size, distributed_executor_backend, kv_transfer_config
+    (e.g. {"connector": "ems", "ems_controller": "HOST:PORT"})."""
+
+    def __init__(self, model: str | Path = DEFAULT_MODEL, **engine_args):
+        self.engine = LLMEngine(EngineConfig.from_kwargs(str(model), **engine_args))
         self._counter = itertools.count()
 
     def get_tokenizer(self):
@@ -41,8 +35,13 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         ids = [str(next(self._counter)) for _ in prompts]
-        for rid, prompt, p in zip(ids, prompts, params):
-            self.engine.add_request(rid, prompt, p, namespace=namespace)
+        try:
+            for rid, prompt, p in zip(ids, prompts, params):
+                self.engine.add_request(rid, prompt, p, namespace=namespace)
+        except ValueError:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
         done: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="generate", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished_requests():
@@ -66,3 +65,12 @@ class LLM:
                             return
         finally:
             self.engine.abort_request(rid)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

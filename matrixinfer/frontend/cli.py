@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from matrixinfer.engine.llm import DEFAULT_MODEL
+from matrixinfer.config import DEFAULT_MODEL
 
 
 def _generate(args) -> int:

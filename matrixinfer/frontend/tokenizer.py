@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 
 class Tokenizer:
@@ -43,13 +44,10 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def decode_incremental(self, ids: list[int], prev_text: str, skip_special_tokens: bool = True) -> str:
-        """Full text of ids, but never ending in half a UTF-8 character (byte-level BPE splits
-        characters across tokens): hold such a tail back until the next token completes it."""
-        text = self.decode(ids, skip_special_tokens)
-        if text.endswith("\ufffd"):
-            return prev_text
-        return text
+    def decode_stream(self, skip_special_tokens: bool = True) -> "_DecodeStream":
+        """An incremental decoder: step(id) costs O(1) and returns the new text, or None while a
+        UTF-8 character split across tokens (byte-level BPE) is incomplete."""
+        return _DecodeStream(self._tok, skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
@@ -61,3 +59,11 @@ class Tokenizer:
             messages=messages, add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "", eos_token=self.eos_token or "",
         )
+
+
+class _DecodeStream:
+    def __init__(self, tok: HFTokenizer, skip_special_tokens: bool):
+        self._tok, self._stream = tok, DecodeStream(skip_special_tokens=skip_special_tokens)
+
+    def step(self, token_id: int) -> str | None:
+        return self._stream.step(self._tok, token_id)

@@ -1,0 +1,67 @@
+"""The engine core's view of one request: token ids, progress, cache blocks, finish state.
+One request is one sequence: the front end fans `n` samples out into n requests."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from matrixinfer.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # its KV is being loaded from elsewhere
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort")
+
+
+@dataclass
+class Logprob:
+    token_id: int
+    logprob: float
+    top: dict[int, float] = field(default_factory=dict)  # token id -> logprob
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 namespace: str = "", arrival_time: float = 0.0, eos_token_ids: tuple[int, ...] = ()):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.namespace = namespace  # prefix-cache salt: requests of different namespaces never share blocks
+        self.arrival_time = arrival_time
+        self.eos_token_ids = eos_token_ids
+        self.status = RequestStatus.WAITING
+        self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []  # names of its full blocks, computed once each
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prompt tokens found in a cache (local or external); -1: not looked up
+        self.num_external_tokens = 0  # of those, tokens whose KV a connector loads this step
+        self.kv_load_failed = False  # a connector failed to load: recompute, never ask it again
+        self.num_preemptions = 0
+        self.stop_reason: int | str | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished

@@ -1,0 +1,6 @@
+"""Executors run the scheduler's steps on the workers: in-process (one rank) or one OS
+process per rank in a torch.distributed group."""
+
+from matrixinfer.executor.base import ExecutorInfo, make_executor
+
+__all__ = ["ExecutorInfo", "make_executor"]

@@ -1,0 +1,23 @@
+"""What every executor tells the engine core once its workers are up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ExecutorInfo:
+    num_blocks: int  # KV cache blocks on every rank
+    max_model_len: int
+    kv_dtype: str
+    vocab_size: int
+
+
+def make_executor(config):
+    if config.parallel.executor_kind() == "mp":
+        from matrixinfer.executor.multiproc import MultiprocExecutor
+
+        return MultiprocExecutor(config)
+    from matrixinfer.executor.uniproc import UniProcExecutor
+
+    return UniProcExecutor(config)

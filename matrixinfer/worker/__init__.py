@@ -1,0 +1,1 @@
+"""Workers: one per rank; device, model shard, paged latent KV cache, model runner, sampler."""

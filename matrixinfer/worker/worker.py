@@ -1,0 +1,104 @@
+"""One worker per rank: it owns the device, the model (its shard), the paged latent KV cache,
+the model runner and the worker half of the KV connector."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+
+from matrixinfer.config import EngineConfig
+from matrixinfer.engine.scheduler import ModelRunnerOutput, SchedulerOutput
+from matrixinfer.kv_connector import make_worker_connector
+from matrixinfer.model.loader import load_model
+from matrixinfer.worker.model_runner import ModelRunner
+
+
+def num_kv_blocks(config: EngineConfig, model, max_model_len: int) -> int:
+    """Blocks for max_num_seqs sequences of max_model_len, capped by kv_cache_memory_gb. Every
+    rank computes the same number from the same inputs."""
+    cache = config.cache
+    if cache.num_blocks is not None:
+        n = cache.num_blocks
+    else:
+        per_block = ModelRunner.cache_bytes_per_block(model, cache.block_size)
+        wanted = config.scheduler.max_num_seqs * -(-max_model_len // cache.block_size)
+        n = max(1, min(wanted, int(cache.kv_cache_memory_gb * 2**30) // per_block))
+    if n * cache.block_size < max_model_len:
+        raise ValueError(f"KV cache of {n} blocks x {cache.block_size} tokens cannot hold one sequence of "
+                         f"max_model_len={max_model_len}")
+    return n
+
+
+def max_model_len_of(config: EngineConfig, model_max: int) -> int:
+    return min(config.scheduler.max_model_len or model_max, model_max)
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, rank: int = 0, world_size: int = 1, init_method: str | None = None):
+        self.config, self.rank, self.world_size = config, rank, world_size
+        torch.manual_seed(config.seed)
+        self.device = torch.device(config.device)
+        if self.device.type == "cuda" and world_size > 1:
+            self.device = torch.device("cuda", rank % torch.cuda.device_count())
+            torch.cuda.set_device(self.device)
+        if world_size > 1:
+            self._init_distributed(init_method)
+        self.model = load_model(config.model, dtype=config.dtype, device=self.device)
+        self.max_model_len = max_model_len_of(config, self.model.config.max_position_embeddings)
+        self.num_blocks = num_kv_blocks(config, self.model, self.max_model_len)
+        self.runner = ModelRunner(self.model, self.num_blocks, config.cache.block_size, self.device)
+        self.connector = make_worker_connector(config.kv_transfer, rank)
+        if self.connector is not None:
+            self.connector.register_kv_cache(self.runner.kv_cache)
+
+    def _init_distributed(self, init_method: str) -> None:
+        import torch.distributed as dist
+
+        from matrixinfer.parallel import init_model_parallel
+
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        timeout = timedelta(seconds=self.config.parallel.distributed_timeout_s)
+        dist.init_process_group(backend, init_method=init_method, rank=self.rank, world_size=self.world_size,
+                                timeout=timeout)
+        # control messages (failed KV loads) go over a CPU group whatever the device backend
+        self.cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
+        init_model_parallel(self.config.parallel.tensor_parallel_size)
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
+        skip: set[str] = set()
+        meta = sched.kv_connector_metadata
+        if self.connector is not None and meta is not None:
+            self.connector.start_load_kv(meta)
+            skip = self._agree(self.connector.get_failed_loads())
+        out = self.runner.execute_model(sched, skip, driver=self.rank == 0)
+        if self.connector is not None and meta is not None:
+            self.connector.wait_for_save()
+        return out
+
+    def _agree(self, failed: set[str]) -> set[str]:
+        """Every rank must skip the same requests: union of the ranks' failed loads."""
+        if self.world_size == 1:
+            return failed
+        import torch.distributed as dist
+
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, sorted(failed), group=self.cpu_group)
+        return set().union(*map(set, gathered))
+
+    def shutdown(self) -> None:
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            from matrixinfer.parallel import destroy_model_parallel
+
+            destroy_model_parallel()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def worker_env_threads(world_size: int) -> None:
+    """Ranks on one CPU share its cores: give each an equal share of intra-op threads."""
+    if world_size > 1 and not os.environ.get("MATRIXINFER_KEEP_THREADS"):
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
