@@ -9,7 +9,6 @@ closed early (client gone, cancelled) aborts the request in the core, which free
 from __future__ import annotations
 
 import asyncio
-import itertools
 import queue
 import threading
 from collections.abc import AsyncIterator
@@ -87,7 +86,7 @@ class AsyncLLM:
         from matrixinfer.engine.messages import SchedulerStats
 
         self._stats = SchedulerStats()
-        self._ids = itertools.count()
+        self._dead: BaseException | None = None  # set when the core process is gone
         self._dispatcher = threading.Thread(target=self._dispatch, name="engine-outputs", daemon=True)
         self._dispatcher.start()
 
@@ -103,6 +102,8 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         rid = request.request_id
+        if self._dead is not None:
+            raise RuntimeError(f"the engine is not running: {self._dead}")
         with self._lock:
             if rid in self.output_processor.requests:
                 raise ValueError(f"request id {rid!r} is already in use")
@@ -111,9 +112,13 @@ class AsyncLLM:
             self.output_processor.add_request(rid, None, list(request.prompt_token_ids), request.params,
                                               reqs[0].arrival_time)
             self._streams[rid] = (loop, q)
-        for r in reqs:
-            self.core.add_request(r)
         finished = False
+        try:
+            for r in reqs:
+                self.core.add_request(r)
+        except OSError as e:  # the core's pipe is closed: it died
+            await self.abort(rid)
+            raise RuntimeError(f"the engine is not running: {e}") from None
         try:
             while True:
                 item = await q.get()
@@ -154,6 +159,7 @@ class AsyncLLM:
             if isinstance(item, BaseException):
                 self._fail_all(item)
                 if isinstance(item, EngineDeadError):
+                    self._dead = item
                     return
                 continue
             if isinstance(item, tuple):  # ("rejected", (engine request id, message))

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from matrixinfer.frontend.outputs import CompletionOutput, RequestOutput
-from matrixinfer.serving import EngineStats, build_app
+from matrixinfer.serving import AsyncLLMEngine, EngineStats, build_app
 from tests.serving.conftest import LiveServer, start_service
 
 
@@ -79,11 +79,13 @@ def test_engine_failure_is_a_500_and_the_server_lives(echo_server):
     assert httpx.post(server.url + "/v1/completions", json={"prompt": [5], "max_tokens": 1}).status_code == 200
 
 
-def test_a_failing_engine_step_fails_only_the_requests_in_flight(engine, tmp_path, monkeypatch):
-    """When LLMEngine.step raises, AsyncLLMEngine fails the requests in flight (500), frees
-    their blocks, and keeps stepping for the next request."""
-    llm = engine.engine
-    real_step, calls = llm.step, []
+def test_a_failing_engine_step_fails_only_the_requests_in_flight(text_checkpoint, tmp_path, monkeypatch):
+    """When an engine step raises, the front end fails the requests in flight (500), the core
+    frees their blocks, and keeps stepping for the next request (core stepped by a thread)."""
+    engine = AsyncLLMEngine.from_model(text_checkpoint[0], model_name="tiny", engine_core_process=False,
+                                       dtype="float32", block_size=4, max_model_len=128)
+    core = engine.core.inner.core
+    real_step, calls = core.step, []
 
     def broken_step():
         calls.append(1)
@@ -91,15 +93,36 @@ def test_a_failing_engine_step_fails_only_the_requests_in_flight(engine, tmp_pat
             raise RuntimeError("kernel fault")
         return real_step()
 
-    monkeypatch.setattr(llm, "step", broken_step)
+    monkeypatch.setattr(core, "step", broken_step)
     server, tenants, ledger = start_service(engine, tmp_path / "serving.db")
     try:
         body = {"prompt": list(range(10, 20)), "max_tokens": 8, "ignore_eos": True}
         r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 500 and "kernel fault" in r.json()["error"]["message"]
-        assert not llm.requests and llm.block_manager.num_free_blocks == len(llm.block_manager.blocks)
+        assert not core.scheduler.requests and core.kv.num_free_blocks == core.kv.num_blocks
         assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200
     finally:
         server.stop()
         tenants.close()
         ledger.close()
+        engine.shutdown()
+
+
+def test_a_killed_engine_core_process_fails_requests_instead_of_hanging(text_checkpoint, tmp_path):
+    """The engine core runs in its own process; if it dies, streams in flight end with an
+    error and new requests get a 500 at once: nothing hangs."""
+    engine = AsyncLLMEngine.from_model(text_checkpoint[0], model_name="tiny", dtype="float32", block_size=4,
+                                       max_model_len=128)
+    server, tenants, ledger = start_service(engine, tmp_path / "serving.db")
+    try:
+        body = {"prompt": [5, 6, 7], "max_tokens": 4}
+        assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200
+        engine.core.proc.kill()
+        engine.core.proc.join(10)
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 500
+    finally:
+        server.stop()
+        tenants.close()
+        ledger.close()
+        engine.shutdown()
