@@ -5,13 +5,13 @@ from __future__ import annotations
 import os
 import sys
 
-from matrixinfer.config import DEFAULT_MODEL
+from matrixinfer.config import DEFAULT_MODEL, EngineConfig
 
 
 def _generate(args) -> int:
     from matrixinfer import LLM, SamplingParams
 
-    llm = LLM(model=args.model, dtype=args.dtype, seed=args.seed or 0)
+    llm = LLM(engine_config=EngineConfig.from_cli(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop or None,
                             ignore_eos=args.ignore_eos)
@@ -44,10 +44,9 @@ def register(sub, bench_sub) -> None:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=-1)
     g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    EngineConfig.add_cli_args(g)
     g.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     g.set_defaults(func=_generate)
 

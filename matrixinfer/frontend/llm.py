@@ -20,8 +20,8 @@ class LLM:
     max_model_len, tensor_parallel_size, distributed_executor_backend, kv_transfer_config
     (e.g. {"connector": "ems", "ems_controller": "HOST:PORT"})."""
 
-    def __init__(self, model: str | Path = DEFAULT_MODEL, **engine_args):
-        self.engine = LLMEngine(EngineConfig.from_kwargs(str(model), **engine_args))
+    def __init__(self, model: str | Path = DEFAULT_MODEL, engine_config: EngineConfig | None = None, **engine_args):
+        self.engine = LLMEngine(engine_config or EngineConfig.from_kwargs(str(model), **engine_args))
         self._counter = itertools.count()
 
     def get_tokenizer(self):

@@ -7,7 +7,7 @@ import json
 import sys
 from datetime import datetime, timezone
 
-from matrixinfer.config import DEFAULT_MODEL
+from matrixinfer.config import DEFAULT_MODEL, EngineConfig
 from matrixinfer.serving.ledger import Prices
 from matrixinfer.serving.db import DEFAULT_DB
 from matrixinfer.serving.tenants import PERIODS
@@ -18,10 +18,7 @@ def _serve(args) -> int:
 
     from matrixinfer.serving import AsyncLLMEngine, TenantStore, UsageLedger, build_app
 
-    engine = AsyncLLMEngine.from_model(
-        args.model, model_name=args.served_model_name, dtype=args.dtype, device=args.device,
-        block_size=args.block_size, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-        kv_cache_memory_gb=args.kv_cache_memory_gb, enable_prefix_caching=not args.no_prefix_caching)
+    engine = AsyncLLMEngine(EngineConfig.from_cli(args), model_name=args.served_model_name)
     tenants, ledger = TenantStore(args.keys_db), UsageLedger(args.ledger_db or args.keys_db)
     app = build_app(engine, tenants, ledger)
     print(f"matrixinfer: serving {engine.model_name} (context {engine.max_model_len} tokens) on "
@@ -113,13 +110,7 @@ def register(sub, bench_sub) -> None:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     _db_args(s)
-    s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    s.add_argument("--device", default="cpu")
-    s.add_argument("--block-size", type=int, default=16)
-    s.add_argument("--max-num-seqs", type=int, default=64)
-    s.add_argument("--max-model-len", type=int, default=None)
-    s.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
-    s.add_argument("--no-prefix-caching", action="store_true")
+    EngineConfig.add_cli_args(s)
     s.add_argument("--log-level", default="warning")
     s.set_defaults(func=_serve)
 
