@@ -23,7 +23,7 @@ from torch import nn
 
 from matrixinfer.config import ModelConfig
 from matrixinfer.model.deepseek import DeepseekForCausalLM
-from matrixinfer.model.layers import default_weight_loader
+from matrixinfer.model.layers import QuantizationConfig, default_weight_loader
 from matrixinfer.model.moe import Router
 from matrixinfer.model.weight_map import checkpoint_tensors, param_for
 
@@ -89,7 +89,10 @@ def load_model(
     device: str | torch.device = "cpu",
     expert_ids: list[int] | None = None,
     with_mtp: bool = True,
+    quant_config: QuantizationConfig | None = None,
 ) -> DeepseekForCausalLM:
+    """This tensor-parallel rank's shard of the model (parallel/state.py; the whole model in
+    one process). quant_config chooses how linear layers store weights (None: unquantized)."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_pretrained(model_dir)
     torch_dtype = resolve_dtype(dtype, cfg)
@@ -100,7 +103,7 @@ def load_model(
         k.startswith(mtp_prefix) for path in files for k in _keys(path)
     )
     with torch.device("meta"):
-        model = DeepseekForCausalLM(cfg, expert_ids=expert_ids, with_mtp=with_mtp).to(torch_dtype)
+        model = DeepseekForCausalLM(cfg, expert_ids, with_mtp, quant_config).to(torch_dtype)
     for router in model.modules():
         if isinstance(router, Router):  # the gate stays float32 whatever the model dtype
             router.float()
