@@ -78,7 +78,9 @@ def _rank_main(rank: int, world: int, port: int, paths: list[str], results) -> N
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=TIMEOUT_S))
         init_model_parallel(world)
         assert get_tp_size() == world
-        results.put((rank, {p: all_logits(Path(p)) for p in paths}))
+        # numpy arrays travel by value: torch tensors would be shared through file descriptors
+        # that vanish when this process exits
+        results.put((rank, {p: {k: v.numpy() for k, v in all_logits(Path(p)).items()} for p in paths}))
     except BaseException:
         results.put((rank, traceback.format_exc()))
     finally:
@@ -133,5 +135,5 @@ def test_two_ranks_give_the_single_process_logits(tmp_path):
             got = ranks[rank][str(path)]
             assert got.keys() == ref.keys()
             for kind in ref:
-                err = rel_err(got[kind], ref[kind])
+                err = rel_err(torch.from_numpy(got[kind]), ref[kind])
                 assert err < 1e-4, f"{path.name} rank {rank} {kind}: relative error {err:.2e}"
