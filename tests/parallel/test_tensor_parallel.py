@@ -19,7 +19,14 @@ import torch.multiprocessing as mp
 
 from matrixinfer.model.context import ForwardContext, forward_context
 from matrixinfer.model.loader import load_model
-from matrixinfer.parallel import destroy_model_parallel, get_tp_size, init_model_parallel
+from matrixinfer.parallel import (
+    destroy_model_parallel,
+    get_tp_rank,
+    get_tp_size,
+    init_model_parallel,
+    tp_all_gather,
+    tp_all_reduce,
+)
 from tests.hf_fixtures import make_checkpoint
 
 BUNDLED = Path(__file__).resolve().parents[2] / "models" / "matrixinfer-tiny-moe"
@@ -77,7 +84,9 @@ def _rank_main(rank: int, world: int, port: int, paths: list[str], results) -> N
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=TIMEOUT_S))
         init_model_parallel(world)
-        assert get_tp_size() == world
+        assert (get_tp_rank(), get_tp_size()) == (rank, world)
+        assert tp_all_reduce(torch.tensor([rank + 1.0])).item() == sum(range(1, world + 1))
+        assert tp_all_gather(torch.tensor([[rank]]), dim=1).tolist() == [list(range(world))]
         # numpy arrays travel by value: torch tensors would be shared through file descriptors
         # that vanish when this process exits
         results.put((rank, {p: {k: v.numpy() for k, v in all_logits(Path(p)).items()} for p in paths}))
