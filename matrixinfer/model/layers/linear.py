@@ -70,7 +70,8 @@ class LinearBase(nn.Module):
         shard_out, shard_in = self.split == "output", self.split == "input"
         for size in (self.output_sizes if shard_out else [input_size] if shard_in else []):
             if size % self.tp_size:
-                raise ValueError(f"{prefix or type(self).__name__}: size {size} not divisible by tp size {self.tp_size}")
+                name = prefix or type(self).__name__
+                raise ValueError(f"{name}: size {size} not divisible by tp size {self.tp_size}")
         self.output_partition_sizes = [s // self.tp_size if shard_out else s for s in self.output_sizes]
         self.input_size_per_partition = input_size // self.tp_size if shard_in else input_size
         self.quant_method = (quant_config or UNQUANTIZED).get_linear_method(self, prefix)
