@@ -9,6 +9,11 @@ Two ways to attend, which agree (tests check it):
 - absorbed (decode): fold kv_b_proj into the query and the output, so attention runs
   directly over the latents: q_lat = q_nope @ W_UK, score = q_lat.c_kv + q_pe.k_pe,
   out = (softmax @ c_kv) @ W_UV^T. Each decode step reads kv_lora_rank + rope dims per token.
+
+Tensor parallelism splits the heads: q_b_proj (q_proj without q_lora) and kv_b_proj are
+column-parallel, so each rank computes its `n_heads` = heads / T local heads on both paths;
+o_proj is row-parallel and all-reduces the block's output. The latent projection (q_a|kv_a)
+is replicated and every rank keeps the whole latent cache (it is shared by all heads).
 """
 
 from __future__ import annotations
@@ -19,49 +24,61 @@ from torch import nn
 
 from matrixinfer.config import ModelConfig
 from matrixinfer.model.context import ForwardContext, get_context
-from matrixinfer.model.layers import RMSNorm, RotaryEmbedding, pack_rows
+from matrixinfer.model.layers import (
+    ColumnParallelLinear,
+    MergedReplicatedLinear,
+    QuantizationConfig,
+    ReplicatedLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+)
+from matrixinfer.parallel.state import get_tp_size
 
 
 class MLAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, quant_config: QuantizationConfig | None = None,
+                 prefix: str = ""):
         super().__init__()
         self.layer_idx = layer_idx
-        self.n_heads = cfg.num_attention_heads
         self.nope_dim, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.qk_dim = cfg.qk_head_dim
         self.kv_lora_rank = cfg.kv_lora_rank
         self.q_lora_rank = cfg.q_lora_rank
         self.scale = cfg.softmax_scale
         h = cfg.hidden_size
+        tp = get_tp_size()
+        if cfg.num_attention_heads % tp:
+            raise ValueError(f"num_attention_heads {cfg.num_attention_heads} not divisible by tp size {tp}")
+        self.n_heads = cfg.num_attention_heads // tp  # this rank's heads
+        n, kw = cfg.num_attention_heads, dict(quant_config=quant_config)
+        kv_a = cfg.kv_lora_rank + cfg.qk_rope_head_dim
         if cfg.q_lora_rank is None:
-            self.q_proj = nn.Linear(h, self.n_heads * self.qk_dim, bias=False)
+            # q reads x directly: column-parallel (a replicated q|kv_a would compute every head on every rank)
+            self.q_proj = ColumnParallelLinear(h, n * self.qk_dim, prefix=f"{prefix}.q_proj", **kw)
+            self.kv_a_proj_with_mqa = ReplicatedLinear(h, kv_a, prefix=f"{prefix}.kv_a_proj_with_mqa", **kw)
         else:
-            self.q_a_proj = nn.Linear(h, cfg.q_lora_rank, bias=False)
+            # the two latent down-projections read x: one replicated matmul
+            self.fused_qkv_a_proj = MergedReplicatedLinear(h, [cfg.q_lora_rank, kv_a],
+                                                           prefix=f"{prefix}.fused_qkv_a_proj", **kw)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank)
-            self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.n_heads * self.qk_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(h, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
+            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, n * self.qk_dim, prefix=f"{prefix}.q_b_proj", **kw)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank)
-        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, self.n_heads * (self.nope_dim + self.v_dim), bias=False)
-        self.o_proj = nn.Linear(self.n_heads * self.v_dim, h, bias=False)
+        self.kv_b_proj = ColumnParallelLinear(cfg.kv_lora_rank, n * (self.nope_dim + self.v_dim),
+                                              prefix=f"{prefix}.kv_b_proj", **kw)
+        self.o_proj = RowParallelLinear(n * self.v_dim, h, prefix=f"{prefix}.o_proj", **kw)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim)
         self.kv_cache: torch.Tensor | None = None  # [num_blocks, block_size, kv_lora_rank + rope], set by the engine
-        self.x_proj: torch.Tensor | None = None  # q_a|kv_a (or q|kv_a) packed by pack(): one matmul reads x
-
-    def pack(self) -> None:
-        first = self.q_proj if self.q_lora_rank is None else self.q_a_proj
-        self.x_proj = pack_rows([first, self.kv_a_proj_with_mqa])
 
     # -- the "MLA prolog": projections, norm, rope --------------------------------------------
     def prolog(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
         """x: [..., hidden], rope: (cos, sin) of the positions ->
         q_nope [..., H, nope], q_pe [..., H, rope], c_kv [..., rank], k_pe [..., rope]."""
-        first = self.q_proj if self.q_lora_rank is None else self.q_a_proj
-        if self.x_proj is None:
-            q, kv = first(x), self.kv_a_proj_with_mqa(x)
+        if self.q_lora_rank is None:
+            q, kv = self.q_proj(x), self.kv_a_proj_with_mqa(x)
         else:
-            q, kv = F.linear(x, self.x_proj).split([first.out_features, self.kv_lora_rank + self.rope_dim], dim=-1)
-        if self.q_lora_rank is not None:
-            q = self.q_b_proj(self.q_a_layernorm(q))
+            q_a, kv = self.fused_qkv_a_proj(x).split(self.fused_qkv_a_proj.output_sizes, dim=-1)
+            q = self.q_b_proj(self.q_a_layernorm(q_a))
         q = q.view(*x.shape[:-1], self.n_heads, self.qk_dim)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         c_kv, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)

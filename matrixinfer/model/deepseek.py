@@ -1,6 +1,12 @@
 """The DeepSeek-V3 family (also V2) as plain PyTorch: decoder layers, the model, the LM head
 and the multi-token-prediction (MTP) module. Parameter names equal the Hugging Face
-checkpoint names, so loading is a name-for-name copy.
+checkpoint names except where projections are merged or stacked (fused_qkv_a_proj,
+gate_up_proj, experts.w13_weight / w2_weight); weight_map.py translates both ways.
+
+Tensor parallelism lives in the layers (layers/linear.py): attention heads and MLP/expert
+intermediate dimensions are split over the ranks, with one all-reduce per attention block
+and one per MLP/MoE block. The embedding and the LM head are replicated (a vocab-parallel
+head is a possible later step).
 """
 
 from __future__ import annotations
@@ -10,15 +16,19 @@ from torch import nn
 
 from matrixinfer.config import ModelConfig
 from matrixinfer.model.attention import MLAttention
-from matrixinfer.model.layers import MLP, RMSNorm
+from matrixinfer.model.layers import MLP, QuantizationConfig, ReplicatedLinear, RMSNorm
 from matrixinfer.model.moe import MoE
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, expert_ids: list[int] | None = None):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, expert_ids: list[int] | None = None,
+                 quant_config: QuantizationConfig | None = None, prefix: str = ""):
         super().__init__()
-        self.self_attn = MLAttention(cfg, layer_idx)
-        self.mlp = MoE(cfg, expert_ids) if cfg.is_moe_layer(layer_idx) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.self_attn = MLAttention(cfg, layer_idx, quant_config, prefix=f"{prefix}.self_attn")
+        if cfg.is_moe_layer(layer_idx):
+            self.mlp = MoE(cfg, expert_ids, quant_config, prefix=f"{prefix}.mlp")
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, quant_config, prefix=f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -38,11 +48,13 @@ class MTPLayer(DecoderLayer):
     block -> shared_head.norm -> the main LM head gives logits for t_{i+2}. Embedding and head
     are shared with the main model (the checkpoint's copies are identical and skipped)."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, expert_ids: list[int] | None = None):
-        super().__init__(cfg, layer_idx, expert_ids)
+    def __init__(self, cfg: ModelConfig, layer_idx: int, expert_ids: list[int] | None = None,
+                 quant_config: QuantizationConfig | None = None, prefix: str = ""):
+        super().__init__(cfg, layer_idx, expert_ids, quant_config, prefix)
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.eh_proj = ReplicatedLinear(2 * cfg.hidden_size, cfg.hidden_size, quant_config=quant_config,
+                                        prefix=f"{prefix}.eh_proj")
         self.shared_head = SharedHead(cfg)
 
     def forward(self, h_prev: torch.Tensor, next_embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -52,13 +64,16 @@ class MTPLayer(DecoderLayer):
 
 
 class DeepseekModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, expert_ids: list[int] | None = None, with_mtp: bool = True):
+    def __init__(self, cfg: ModelConfig, expert_ids: list[int] | None = None, with_mtp: bool = True,
+                 quant_config: QuantizationConfig | None = None):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, expert_ids) for i in range(cfg.num_hidden_layers))
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)  # replicated
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, expert_ids, quant_config, prefix=f"model.layers.{i}")
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         n_mtp = cfg.num_nextn_predict_layers if with_mtp else 0
-        self.mtp = nn.ModuleList(MTPLayer(cfg, cfg.num_hidden_layers + k, expert_ids) for k in range(n_mtp))
+        self.mtp = nn.ModuleList(MTPLayer(cfg, cfg.num_hidden_layers + k, expert_ids, quant_config,
+                                          prefix=f"model.mtp.{k}") for k in range(n_mtp))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
@@ -72,11 +87,12 @@ class DeepseekForCausalLM(nn.Module):
     """input_ids/positions are [B, T] (dense path, no cache) or flat [N] under a ForwardContext
     (paged path). forward() returns the final hidden states; compute_logits() applies the head."""
 
-    def __init__(self, cfg: ModelConfig, expert_ids: list[int] | None = None, with_mtp: bool = True):
+    def __init__(self, cfg: ModelConfig, expert_ids: list[int] | None = None, with_mtp: bool = True,
+                 quant_config: QuantizationConfig | None = None):
         super().__init__()
         self.config = cfg
-        self.model = DeepseekModel(cfg, expert_ids, with_mtp)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.model = DeepseekModel(cfg, expert_ids, with_mtp, quant_config)
+        self.lm_head = ReplicatedLinear(cfg.hidden_size, cfg.vocab_size, quant_config=quant_config, prefix="lm_head")
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -91,15 +107,6 @@ class DeepseekForCausalLM(nn.Module):
         model's final hidden states for depth 0), the tokens t_{i+1} and their positions i+1.
         Returns the module's hidden states; compute_logits() of them predicts t_{i+2}."""
         return self.model.mtp[depth](hidden, self.model.embed_tokens(next_ids), positions)
-
-    def pack_weights(self) -> "DeepseekForCausalLM":
-        """For inference: fuse projections that read the same input and stack the experts
-        (parameters become views; names and memory unchanged). Call after the final
-        .to(device/dtype): moving the model afterwards would break the views."""
-        for module in self.modules():
-            if isinstance(module, (MLAttention, MoE)) or (isinstance(module, MLP) and module.gate_up is None):
-                module.pack()
-        return self
 
     def attention_layers(self) -> list[MLAttention]:
         return [layer.self_attn for layer in self.model.layers] + [m.self_attn for m in self.model.mtp]

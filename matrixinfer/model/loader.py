@@ -1,7 +1,10 @@
 """Load a Hugging Face DeepSeek-V2/V3 directory (config.json + one or many safetensors files)
 into DeepseekForCausalLM: memory-mapped, any float dtype, optionally only some experts.
 
-Names are copied one for one; what differs between checkpoint layouts is mapped here:
+Each checkpoint tensor goes to its parameter's weight_loader (weight_map.py names the
+parameter and the shard_id: merged projections and stacked experts take several tensors),
+which copies only this tensor-parallel rank's part. What differs between checkpoint layouts
+is mapped here:
 - MTP modules are stored as layers past num_hidden_layers (`model.layers.{L+k}.*`) and live
   in `model.mtp.{k}.*`; their copies of the embedding and LM head are skipped (shared).
 - Some writers fuse experts into `mlp.experts.gate_up_proj` / `mlp.experts.down_proj`
@@ -16,10 +19,13 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from matrixinfer.config import ModelConfig
 from matrixinfer.model.deepseek import DeepseekForCausalLM
+from matrixinfer.model.layers import QuantizationConfig, default_weight_loader
 from matrixinfer.model.moe import Router
+from matrixinfer.model.weight_map import checkpoint_tensors, param_for
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -83,7 +89,10 @@ def load_model(
     device: str | torch.device = "cpu",
     expert_ids: list[int] | None = None,
     with_mtp: bool = True,
+    quant_config: QuantizationConfig | None = None,
 ) -> DeepseekForCausalLM:
+    """This tensor-parallel rank's shard of the model (parallel/state.py; the whole model in
+    one process). quant_config chooses how linear layers store weights (None: unquantized)."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_pretrained(model_dir)
     torch_dtype = resolve_dtype(dtype, cfg)
@@ -94,34 +103,34 @@ def load_model(
         k.startswith(mtp_prefix) for path in files for k in _keys(path)
     )
     with torch.device("meta"):
-        model = DeepseekForCausalLM(cfg, expert_ids=expert_ids, with_mtp=with_mtp).to(torch_dtype)
+        model = DeepseekForCausalLM(cfg, expert_ids, with_mtp, quant_config).to(torch_dtype)
     for router in model.modules():
         if isinstance(router, Router):  # the gate stays float32 whatever the model dtype
             router.float()
-    model = model.to_empty(device=device)
+    materialize(model, device)
     for layer in model.attention_layers():
         layer.rotary.reset_parameters()  # non-persistent buffers are not in the checkpoint
     params = dict(model.named_parameters())
     params.update(dict(model.named_buffers()))
-    expected = {n for n in params if not n.endswith("inv_freq")}
-    if cfg.tie_word_embeddings:
-        expected.discard("lm_head.weight")
+    expected = {name for name, _ in checkpoint_tensors(model)}  # this rank's tensors, by checkpoint name
     loaded: set[str] = set()
 
     def held_elsewhere(name: str) -> bool:
         """An expert weight of an expert this process does not hold (expert parallelism)."""
-        return expert_ids is not None and name not in params and bool(re.search(r"\.mlp\.experts\.\d+\.", name))
+        return expert_ids is not None and name not in expected and bool(re.search(r"\.mlp\.experts\.\d+\.", name))
 
     def copy(name: str, tensor: torch.Tensor, source: str):
         if held_elsewhere(name):
             return
-        if name not in params:
+        if name not in expected:
             raise CheckpointError(f"unexpected tensor {source!r} in checkpoint (maps to {name!r})")
-        p = params[name]
-        if tuple(p.shape) != tuple(tensor.shape):
-            raise CheckpointError(f"tensor {source!r}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(p.shape)}")
-        with torch.no_grad():
-            p.copy_(tensor.to(p.dtype))
+        param_name, shard_id = param_for(name, params)
+        param = params[param_name]
+        weight_loader = getattr(param, "weight_loader", default_weight_loader)
+        try:  # the loader narrows the full tensor to this rank's shard
+            weight_loader(param, tensor, shard_id)
+        except ValueError as e:
+            raise CheckpointError(f"tensor {source!r}: {e}") from None
         loaded.add(name)
 
     for path in files:
@@ -147,4 +156,25 @@ def load_model(
     missing = sorted(expected - loaded)
     if missing:
         raise CheckpointError(f"checkpoint {model_dir} lacks {len(missing)} tensor(s), first: {missing[:5]}")
-    return model.eval().pack_weights()
+    for module in model.modules():
+        if hasattr(module, "quant_method"):
+            module.quant_method.process_weights_after_loading(module)
+    return model.eval()
+
+
+def materialize(model: nn.Module, device: str | torch.device) -> None:
+    """Like Module.to_empty(device): meta tensors become uninitialised ones on `device`, but
+    parameters keep their attributes (weight_loader, output_dim, ...) and tied ones stay tied."""
+    new: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is None:
+                continue
+            if id(p) not in new:
+                q = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                q.__dict__.update(p.__dict__)
+                new[id(p)] = q
+            module._parameters[name] = new[id(p)]
+        for name, b in module._buffers.items():
+            if b is not None:
+                module._buffers[name] = torch.empty_like(b, device=device)

@@ -1,6 +1,7 @@
 """Write a DeepseekForCausalLM as a Hugging Face directory that both our loader and
 transformers' DeepseekV3ForCausalLM read: MTP modules go back to `model.layers.{L+k}.*`
-with the copies of the embedding and head DeepSeek checkpoints carry."""
+with the copies of the embedding and head DeepSeek checkpoints carry, and merged or stacked
+parameters are split back into one tensor per projection and expert (weight_map.py)."""
 
 from __future__ import annotations
 
@@ -11,14 +12,16 @@ import torch
 from safetensors.torch import save_file
 
 from matrixinfer.model.deepseek import DeepseekForCausalLM
+from matrixinfer.model.weight_map import checkpoint_tensors
+from matrixinfer.parallel.state import get_tp_size
 
 
 def checkpoint_state_dict(model: DeepseekForCausalLM, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    if get_tp_size() != 1:
+        raise RuntimeError("save from a single process: under tensor parallelism each rank holds only a shard")
     cfg = model.config
     out: dict[str, torch.Tensor] = {}
-    for name, t in model.state_dict().items():
-        if name.endswith("inv_freq") or (cfg.tie_word_embeddings and name == "lm_head.weight"):
-            continue
+    for name, t in checkpoint_tensors(model):  # merged and stacked parameters split back
         if name.startswith("model.mtp."):
             k, rest = name[len("model.mtp."):].split(".", 1)
             name = f"model.layers.{cfg.num_hidden_layers + int(k)}.{rest}"

@@ -20,7 +20,7 @@ from torch import nn
 
 from matrixinfer.config import ModelConfig
 from matrixinfer.model.deepseek import DeepseekForCausalLM
-from matrixinfer.model.layers import RMSNorm
+from matrixinfer.model.layers import LinearBase, RMSNorm, RoutedExperts
 from matrixinfer.model.moe import Router
 from matrixinfer.model.saver import save_pretrained
 
@@ -80,10 +80,13 @@ def init_weights(model: DeepseekForCausalLM, std: float = 0.02) -> None:
     residual-branch outputs (o_proj, down_proj) scaled by 1/sqrt(2 * layers)."""
     n_layers = model.config.num_hidden_layers + len(model.model.mtp)
     with torch.no_grad():
+        residual = std / math.sqrt(2 * n_layers)
         for name, m in model.named_modules():
-            if isinstance(m, nn.Linear):
-                s = std / math.sqrt(2 * n_layers) if name.endswith(("o_proj", "down_proj")) else std
-                m.weight.normal_(0.0, s)
+            if isinstance(m, LinearBase):
+                m.weight.normal_(0.0, residual if name.endswith(("o_proj", "down_proj")) else std)
+            elif isinstance(m, RoutedExperts):
+                m.w13_weight.normal_(0.0, std)
+                m.w2_weight.normal_(0.0, residual)  # the experts' down_proj
             elif isinstance(m, nn.Embedding):
                 m.weight.normal_(0.0, std)
             elif isinstance(m, RMSNorm):

@@ -43,7 +43,7 @@ def test_absorbed_and_unabsorbed_attention_agree(hf_checkpoint):
     path, _ = hf_checkpoint
     attn = load_model(path, dtype="float32").model.layers[0].self_attn
     g = torch.Generator().manual_seed(2)
-    x = torch.randn(3, 12, attn.o_proj.out_features, generator=g)
+    x = torch.randn(3, 12, attn.o_proj.output_size, generator=g)
     pos = torch.arange(12).expand(3, 12)
     with torch.no_grad():
         q_nope, q_pe, c_kv, k_pe = attn.prolog(x, attn.rotary.cos_sin(pos, x.dtype))

@@ -1,58 +1,13 @@
-"""Small building blocks: RMSNorm, the SwiGLU MLP and rotary embeddings (with YaRN)."""
+"""Rotary position embeddings, with YaRN, in DeepSeek's interleaved or the plain layout."""
 
 from __future__ import annotations
 
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from matrixinfer.config import RopeConfig, yarn_get_mscale
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalize in float32, scale in the input dtype (as DeepSeek and transformers do)
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
-
-
-def pack_rows(linears: list[nn.Linear], out: torch.Tensor | None = None) -> torch.Tensor:
-    """Concatenate the weights of linears that read the same input into one matrix (one
-    matmul instead of several) and make each linear's weight a view into it, so parameter
-    names, state_dict and memory stay as they were."""
-    weights = [lin.weight.data for lin in linears]
-    packed = torch.cat(weights) if out is None else torch.cat(weights, out=out)
-    start = 0
-    for lin, w in zip(linears, weights):
-        lin.weight.data = packed[start:start + w.shape[0]]
-        start += w.shape[0]
-    return packed
-
-
-class MLP(nn.Module):
-    """SwiGLU feed-forward: the dense layers, each routed expert and the shared experts."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-        self.gate_up: torch.Tensor | None = None  # set by pack() for inference
-
-    def pack(self, out: torch.Tensor | None = None) -> None:
-        self.gate_up = pack_rows([self.gate_proj, self.up_proj], out)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
 
 
 def rope_inv_freq(cfg: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:

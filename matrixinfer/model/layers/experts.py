@@ -1,0 +1,74 @@
+"""The routed experts a process holds, as two stacked parameters for grouped matmuls:
+w13_weight [E, 2I, H] (gate|up of each expert) and w2_weight [E, H, I].
+
+Expert parallelism picks which experts (E = the local ones, `expert_ids`); tensor parallelism
+splits every expert's intermediate dimension like a dense MLP (rank r holds rows
+[r*I/T, (r+1)*I/T) of gate and of up, and those columns of down), so the output is a partial
+sum: the MoE adds the shared experts' partial and all-reduces once.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from matrixinfer.model.layers.linear import copy_shard
+from matrixinfer.model.layers.quantization import UNQUANTIZED, QuantizationConfig
+from matrixinfer.parallel.state import get_tp_rank, get_tp_size
+
+PIECES = ("gate_proj", "up_proj", "down_proj")  # checkpoint names of an expert's projections
+
+
+class RoutedExperts(nn.Module):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 expert_ids: list[int] | None = None, quant_config: QuantizationConfig | None = None,
+                 prefix: str = "", params_dtype: torch.dtype | None = None,
+                 tp_rank: int | None = None, tp_size: int | None = None):
+        super().__init__()
+        self.tp_rank = get_tp_rank() if tp_rank is None else tp_rank
+        self.tp_size = get_tp_size() if tp_size is None else tp_size
+        if intermediate_size % self.tp_size:
+            raise ValueError(f"{prefix}: moe_intermediate_size {intermediate_size} not divisible by tp {self.tp_size}")
+        self.num_experts = num_experts
+        self.expert_ids = list(range(num_experts)) if expert_ids is None else sorted(expert_ids)
+        # global expert id -> local slot (-1: held elsewhere); a plain attribute built on the CPU
+        # (not a buffer: the loader builds modules on the meta device)
+        self.local_index = torch.full((num_experts,), -1, dtype=torch.long, device="cpu")
+        self.local_index[self.expert_ids] = torch.arange(len(self.expert_ids), device="cpu")
+        self.is_subset = len(self.expert_ids) < num_experts
+        self.quant_method = (quant_config or UNQUANTIZED).get_experts_method(self, prefix)
+        self.quant_method.create_weights(self, len(self.expert_ids), hidden_size, intermediate_size // self.tp_size,
+                                         params_dtype or torch.get_default_dtype(), self.weight_loader)
+
+    def weight_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: tuple[int, str]) -> None:
+        """shard_id = (global expert id, "gate_proj" | "up_proj" | "down_proj"): copy this rank's
+        part of that expert's checkpoint tensor into its slot of the stacked parameter."""
+        expert, piece = shard_id
+        slot = int(self.local_index[expert]) if 0 <= expert < self.num_experts else -1
+        if slot < 0:
+            raise ValueError(f"expert {expert} is not held by this process (holds {self.expert_ids})")
+        target = param.data[slot]  # one expert: the stacked dims shift down by one
+        if piece == "down_proj":  # [H, I]: the intermediate dimension is the input
+            dim = param.input_dim - 1 if hasattr(param, "input_dim") else None
+        else:  # gate or up: its half of the [2I, H] output rows
+            dim = param.output_dim - 1
+            half = target.shape[dim] // 2
+            target = target.narrow(dim, PIECES.index(piece) * half, half)
+        copy_shard(target, loaded_weight, dim, self.tp_rank, self.tp_size)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [N, H], routing weights/ids [N, top_k] -> this rank's partial sum [N, H] of the
+        weighted outputs of the local experts (pairs routed elsewhere contribute nothing)."""
+        k = ids.shape[1]
+        if self.local_index.device != ids.device:
+            self.local_index = self.local_index.to(ids.device)
+        local = self.local_index[ids.flatten()]
+        pair = torch.nonzero(local >= 0).flatten() if self.is_subset else torch.arange(local.numel(), device=x.device)
+        local = local[pair]
+        order = local.argsort(stable=True)  # group pairs by expert
+        pair, local = pair[order], local[order]
+        token_idx = pair // k
+        counts = torch.bincount(local, minlength=len(self.expert_ids))
+        y = self.quant_method.apply(self, x[token_idx], local, counts)
+        y = y * weights.flatten()[pair, None].to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, token_idx, y)

@@ -1,0 +1,116 @@
+"""How a layer stores its weights and multiplies by them: the `quant_method` hook.
+
+Every linear layer (linear.py) and the routed experts (experts.py) own no weights of their
+own: at construction they ask their `QuantizationConfig` for a method, the method's
+`create_weights` registers the parameters on the layer, and the layer's forward is the
+method's `apply`. The layers only shard: each parameter says which of its dims holds output
+features (`output_dim`) and input features (`input_dim`), and the layer's weight loader cuts
+the checkpoint tensor along them. So a quantized method (INT8 W8A8: an int8 weight plus a
+per-channel scale with `output_dim` 0, an int8 matmul in `apply`) is one new
+`QuantizationConfig` subclass; attention and MoE code do not change.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+WeightLoader = Callable[..., None]
+
+
+def set_weight_attrs(param: torch.Tensor, **attrs: Any) -> None:
+    """Attach sharding metadata (output_dim, input_dim) and the weight_loader to a parameter."""
+    for key, value in attrs.items():
+        setattr(param, key, value)
+
+
+class LinearMethodBase:
+    def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+                       params_dtype: torch.dtype, weight_loader: WeightLoader) -> None:
+        """Register this rank's parameters on `layer`. output_partition_sizes: this rank's
+        share of each merged projection (one entry for an unmerged layer)."""
+        raise NotImplementedError
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """x [..., input_size_per_partition] -> [..., sum(output_partition_sizes)]."""
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Called once after the checkpoint is loaded (e.g. to quantize a bf16 checkpoint)."""
+
+
+class UnquantizedLinearMethod(LinearMethodBase):
+    def create_weights(self, layer, input_size_per_partition, output_partition_sizes, params_dtype, weight_loader):
+        weight = nn.Parameter(torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype))
+        set_weight_attrs(weight, output_dim=0, input_dim=1, weight_loader=weight_loader)
+        layer.register_parameter("weight", weight)
+
+    def apply(self, layer, x):
+        return F.linear(x, layer.weight)
+
+
+class ExpertsMethodBase:
+    def create_weights(self, layer: nn.Module, num_experts: int, hidden_size: int,
+                       intermediate_size_per_partition: int, params_dtype: torch.dtype,
+                       weight_loader: WeightLoader) -> None:
+        """Register the stacked expert parameters w13_* ([E, 2I, H]: gate|up) and w2_*
+        ([E, H, I]) on `layer`, I being this rank's share of the intermediate dimension."""
+        raise NotImplementedError
+
+    def apply(self, layer: nn.Module, xs: torch.Tensor, local: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """xs [P, H]: one row per (token, expert) pair, grouped by expert; local [P]: the local
+        expert of each row; counts [E]: rows per expert. Returns the SwiGLU outputs [P, H]."""
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        pass
+
+
+class UnquantizedExpertsMethod(ExpertsMethodBase):
+    def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
+                       weight_loader):
+        i, h = intermediate_size_per_partition, hidden_size
+        w13 = nn.Parameter(torch.empty(num_experts, 2 * i, h, dtype=params_dtype))
+        w2 = nn.Parameter(torch.empty(num_experts, h, i, dtype=params_dtype))
+        set_weight_attrs(w13, output_dim=1, input_dim=2, weight_loader=weight_loader)
+        set_weight_attrs(w2, output_dim=1, input_dim=2, weight_loader=weight_loader)
+        layer.register_parameter("w13_weight", w13)
+        layer.register_parameter("w2_weight", w2)
+
+    def apply(self, layer, xs, local, counts):
+        """All experts at once: rows padded to [E, max count, H] and two batched matmuls.
+        When padding would more than double the work (large, skewed batches) experts run one
+        by one on their slices instead."""
+        w13, w2 = layer.w13_weight, layer.w2_weight
+        n_exp, max_count = counts.numel(), int(counts.max()) if xs.shape[0] else 0
+        if n_exp * max_count > 2 * xs.shape[0]:
+            ys = []
+            for e, chunk in enumerate(xs.split(counts.tolist())):
+                if chunk.numel():
+                    gate, up = F.linear(chunk, w13[e]).chunk(2, dim=-1)
+                    ys.append(F.linear(F.silu(gate) * up, w2[e]))
+            return torch.cat(ys) if ys else xs
+        offsets = torch.cumsum(counts, 0) - counts
+        pos = torch.arange(xs.shape[0], device=xs.device) - offsets[local]
+        padded = xs.new_zeros(n_exp, max_count, xs.shape[-1])
+        padded[local, pos] = xs
+        gate, up = torch.bmm(padded, w13.transpose(1, 2)).chunk(2, dim=-1)
+        out = torch.bmm(F.silu(gate) * up, w2.transpose(1, 2))
+        return out[local, pos]
+
+
+class QuantizationConfig:
+    """Chooses each layer's method from its prefix (its parameter-name prefix in the model,
+    e.g. "model.layers.3.self_attn.kv_b_proj"). This base class: unquantized everywhere."""
+
+    def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase:
+        return UnquantizedLinearMethod()
+
+    def get_experts_method(self, layer: nn.Module, prefix: str) -> ExpertsMethodBase:
+        return UnquantizedExpertsMethod()
+
+
+UNQUANTIZED = QuantizationConfig()

@@ -1,0 +1,17 @@
+"""Model parallelism: process groups and the collectives the model's layers call."""
+
+from matrixinfer.parallel.state import (
+    ParallelGroup,
+    destroy_model_parallel,
+    get_tp_group,
+    get_tp_rank,
+    get_tp_size,
+    init_model_parallel,
+    tp_all_gather,
+    tp_all_reduce,
+)
+
+__all__ = [
+    "ParallelGroup", "destroy_model_parallel", "get_tp_group", "get_tp_rank", "get_tp_size",
+    "init_model_parallel", "tp_all_gather", "tp_all_reduce",
+]

@@ -1,0 +1,154 @@
+"""Linear layers and stacked experts on a fake 2-rank layout (explicit tp_rank/tp_size, no
+process group): each rank holds and loads its shard, the shards recombine to the full
+matmul, and the quant_method hook is the only path to the weights."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from matrixinfer.model.layers import (
+    ColumnParallelLinear,
+    LinearBase,
+    MergedColumnParallelLinear,
+    MergedReplicatedLinear,
+    QuantizationConfig,
+    RoutedExperts,
+    RowParallelLinear,
+    UnquantizedExpertsMethod,
+    UnquantizedLinearMethod,
+)
+from matrixinfer.model.loader import load_model
+from tests.hf_fixtures import make_checkpoint
+
+G = torch.Generator().manual_seed(0)
+X = torch.randn(3, 4, generator=G)
+W = torch.randn(6, 4, generator=G)
+
+
+def load(layer, full, shard_id=None):
+    layer.weight.weight_loader(layer.weight, full, shard_id)
+    return layer
+
+
+def test_column_parallel_rank_holds_its_output_rows():
+    ranks = [load(ColumnParallelLinear(4, 6, tp_rank=r, tp_size=2), W) for r in (0, 1)]
+    for r, layer in enumerate(ranks):
+        assert layer.weight.shape == (3, 4)
+        assert torch.equal(layer.weight, W[3 * r:3 * r + 3])
+    assert torch.allclose(torch.cat([layer(X) for layer in ranks], dim=-1), X @ W.T, atol=1e-6)
+
+
+def test_row_parallel_partial_sums_add_up_to_the_full_output():
+    w = W.T.contiguous()  # [4, 6]: input 6 split over the ranks
+    x = torch.randn(3, 6, generator=G)
+    ranks = [load(RowParallelLinear(6, 4, reduce_results=False, tp_rank=r, tp_size=2), w) for r in (0, 1)]
+    assert ranks[1].weight.shape == (4, 3) and torch.equal(ranks[1].weight, w[:, 3:])
+    partial = [layer(x[:, 3 * r:3 * r + 3]) for r, layer in enumerate(ranks)]
+    assert torch.allclose(partial[0] + partial[1], x @ w.T, atol=1e-6)
+
+
+def test_merged_column_rank_holds_its_slice_of_each_projection():
+    gate, up = torch.randn(6, 4, generator=G), torch.randn(6, 4, generator=G)
+    for r in (0, 1):
+        layer = MergedColumnParallelLinear(4, [6, 6], tp_rank=r, tp_size=2)
+        load(load(layer, gate, 0), up, 1)
+        assert layer.output_partition_sizes == [3, 3]
+        assert torch.equal(layer.weight, torch.cat([gate[3 * r:3 * r + 3], up[3 * r:3 * r + 3]]))
+
+
+def test_merged_replicated_is_both_projections_in_one_matmul():
+    a, b = torch.randn(5, 4, generator=G), torch.randn(2, 4, generator=G)
+    layer = MergedReplicatedLinear(4, [5, 2], tp_rank=1, tp_size=2)  # replicated: rank ignored
+    load(load(layer, a, 0), b, 1)
+    ya, yb = layer(X).split(layer.output_sizes, dim=-1)
+    assert torch.allclose(ya, X @ a.T, atol=1e-6) and torch.allclose(yb, X @ b.T, atol=1e-6)
+
+
+def test_loader_checks_the_full_checkpoint_shape():
+    with pytest.raises(ValueError, match=r"\(5, 4\).*\(6, 4\)"):
+        load(ColumnParallelLinear(4, 6, tp_rank=0, tp_size=2), torch.zeros(5, 4))
+    with pytest.raises(ValueError, match="shard_id"):
+        load(MergedColumnParallelLinear(4, [6, 6], tp_rank=0, tp_size=2), W)
+
+
+def test_sizes_that_do_not_split_evenly_are_refused():
+    with pytest.raises(ValueError, match="divisible"):
+        ColumnParallelLinear(4, 5, tp_rank=0, tp_size=2)
+
+
+def test_experts_shard_the_intermediate_dimension_and_sum_to_the_full_output():
+    """Two ranks each hold half of every local expert's intermediate dimension; their partial
+    outputs add up to the experts computed whole."""
+    h, i, ids = 4, 6, [1, 3]
+    w = {(e, p): torch.randn(*((h, i) if p == "down_proj" else (i, h)), generator=G)
+         for e in ids for p in ("gate_proj", "up_proj", "down_proj")}
+    ranks = []
+    for r in (0, 1):
+        experts = RoutedExperts(4, h, i, expert_ids=ids, tp_rank=r, tp_size=2)
+        for (e, piece), t in w.items():
+            param = experts.w2_weight if piece == "down_proj" else experts.w13_weight
+            param.weight_loader(param, t, (e, piece))
+        ranks.append(experts)
+    assert ranks[1].w13_weight.shape == (2, 6, 4) and ranks[1].w2_weight.shape == (2, 4, 3)
+    assert torch.equal(ranks[1].w13_weight[1], torch.cat([w[3, "gate_proj"][3:], w[3, "up_proj"][3:]]))
+    assert torch.equal(ranks[1].w2_weight[1], w[3, "down_proj"][:, 3:])
+    with pytest.raises(ValueError, match="not held"):
+        ranks[0].w2_weight.weight_loader(ranks[0].w2_weight, w[1, "down_proj"], (2, "down_proj"))
+    x = torch.randn(5, h, generator=G)
+    route_ids = torch.tensor([[1, 3], [3, 0], [1, 2], [0, 2], [3, 1]])
+    route_w = torch.rand(5, 2, generator=G)
+    with torch.no_grad():
+        out = ranks[0](x, route_w, route_ids) + ranks[1](x, route_w, route_ids)
+    ref = torch.zeros_like(x)
+    for t in range(5):
+        for k, e in enumerate(route_ids[t].tolist()):
+            if e in ids:
+                y = F.silu(x[t] @ w[e, "gate_proj"].T) * (x[t] @ w[e, "up_proj"].T)
+                ref[t] += route_w[t, k] * (y @ w[e, "down_proj"].T)
+    assert torch.allclose(out, ref, atol=1e-5)
+
+
+class Recording(QuantizationConfig):
+    """Records which layers run through the hook and doubles the LM head's output."""
+
+    def __init__(self):
+        self.applied, self.processed = set(), set()
+
+    def get_linear_method(self, layer, prefix):
+        config = self
+
+        class Method(UnquantizedLinearMethod):
+            def apply(self, layer, x):
+                config.applied.add(prefix)
+                return super().apply(layer, x) * (2.0 if prefix == "lm_head" else 1.0)
+
+            def process_weights_after_loading(self, layer):
+                config.processed.add(prefix)
+
+        return Method()
+
+    def get_experts_method(self, layer, prefix):
+        config = self
+
+        class Method(UnquantizedExpertsMethod):
+            def apply(self, layer, xs, local, counts):
+                config.applied.add(prefix)
+                return super().apply(layer, xs, local, counts)
+
+        return Method()
+
+
+def test_quant_method_is_the_only_path_to_the_weights(tmp_path):
+    make_checkpoint(tmp_path, "v3-qlora-yarn")
+    plain = load_model(tmp_path, dtype="float32")
+    recording = Recording()
+    model = load_model(tmp_path, dtype="float32", quant_config=recording)
+    layers = {name for name, m in model.named_modules()
+              if isinstance(m, (LinearBase, RoutedExperts)) and ".mtp." not in name}
+    assert recording.processed == {n for n, m in model.named_modules() if isinstance(m, LinearBase)}
+    ids, pos = torch.arange(10)[None], torch.arange(10)[None]
+    with torch.no_grad():
+        doubled = model.compute_logits(model(ids, pos))
+        ref = plain.compute_logits(plain(ids, pos))
+    assert recording.applied == layers
+    assert torch.allclose(doubled, 2 * ref, atol=1e-5)
