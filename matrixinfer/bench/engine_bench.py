@@ -83,7 +83,7 @@ def decode_step_flops(model, batch: int, context_len: int) -> int:
     its top-k routed experts and the head, plus absorbed MLA over its latent context."""
     cfg = model.config
     per_token = sum(2 * p.numel() * share for name, p, share in _decode_weights(model)
-                    if p.dim() == 2 and ".mlp.gate." not in name)
+                    if p.dim() >= 2 and ".mlp.gate." not in name)
     h, r, rope = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     per_token += cfg.num_hidden_layers * h * 2 * (r + rope + r) * context_len  # scores + weighted latents
     per_token += cfg.num_hidden_layers * h * 2 * r * (cfg.qk_nope_head_dim + cfg.v_head_dim)  # absorption

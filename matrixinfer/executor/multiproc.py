@@ -114,16 +114,23 @@ class MultiprocExecutor:
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         data = pickle.dumps(sched, protocol=pickle.HIGHEST_PROTOCOL)
-        for c in self.conns:
-            c.send_bytes(data)
-        try:
-            return self._recv(0, self.timeout)
-        except BaseException:
-            for rank in range(1, len(self.conns)):  # a failing rank 0 may have a reason on another rank
-                if self.conns[rank].poll():
-                    kind, payload = self.conns[rank].recv()
-                    raise RuntimeError(f"worker failed:\n{payload}") from None
-            raise
+        for rank, c in enumerate(self.conns):
+            try:
+                c.send_bytes(data)
+            except OSError:
+                raise RuntimeError(f"rank {rank} is gone (exit code {self.procs[rank].exitcode})") from None
+        # rank 0 answers; any rank may instead report an error or die
+        ready = wait(self.conns + [p.sentinel for p in self.procs], self.timeout)
+        if not ready:
+            raise TimeoutError(f"the ranks did not finish a step within {self.timeout} s")
+        for rank, c in enumerate(self.conns):
+            if c in ready:
+                kind, payload = c.recv()
+                if kind == "error":
+                    raise RuntimeError(f"worker failed:\n{payload}")
+                return payload
+        dead = [r for r, p in enumerate(self.procs) if p.sentinel in ready]
+        raise RuntimeError(f"rank(s) {dead} exited during a step (exit codes {[self.procs[r].exitcode for r in dead]})")
 
     def shutdown(self) -> None:
         self._finalizer()
