@@ -9,7 +9,7 @@ import argparse
 import json
 import math
 import random
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from tqdm import tqdm
 
@@ -248,15 +248,33 @@ def cmd_allocation(args) -> int:
 # ---------------------------------------------------------------- calibrate / paper tables
 
 def cmd_calibrate(args) -> int:
-    from matrixinfer.sim.calibration import fit_overlap
+    """Fit the collective costs to the measured dispatch/combine pair, then the overlap
+    efficiency to the decode point with those costs (the overlap depends on them, not
+    the other way round)."""
+    from matrixinfer.sim.calibration import fit_collectives, fit_overlap
+    from matrixinfer.sim.hardware import CollectiveSpec
 
     hw, model = _specs(args)
+    out = {}
+    if hw.collective_calibration is not None:
+        cf = fit_collectives(hw, model)
+        hw = replace(hw, collective=CollectiveSpec(cf.launch_us, cf.handshake_us, hw.collective.metadata_rounds))
+        out["collective"] = asdict(cf) | {"in_hardware_file": asdict(_specs(args)[0].collective)}
     f = fit_overlap(hw, model)
-    out = {"overlap": f.overlap, "clipped": f.clipped, "tpot_ms": f.result.tpot_ms,
-           "tokens_per_s_per_npu": f.result.tokens_per_s_per_device, "target_tpot_ms": f.target_tpot_ms,
-           "target_tokens_per_s_per_npu": f.target_tokens_per_s, "in_hardware_file": hw.efficiency.overlap}
-    print(json.dumps(out, indent=2) if args.json else
-          f"fitted overlap efficiency {f.overlap:.4f} (hardware file has {hw.efficiency.overlap:.4f}): "
+    out |= {"overlap": f.overlap, "clipped": f.clipped, "tpot_ms": f.result.tpot_ms,
+            "tokens_per_s_per_npu": f.result.tokens_per_s_per_device, "target_tpot_ms": f.target_tpot_ms,
+            "target_tokens_per_s_per_npu": f.target_tokens_per_s, "in_hardware_file": _specs(args)[0].efficiency.overlap}
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    if "collective" in out:
+        c = out["collective"]
+        print(f"collective: launch {c['launch_us']:.2f} us, handshake {c['handshake_us']:.2f} us "
+              f"(hardware file: {c['in_hardware_file']}); dispatch {c['dispatch_us']:.1f} us = "
+              + " + ".join(f"{k} {v:.1f}" for k, v in c["dispatch_terms_us"].items())
+              + f"; combine {c['combine_us']:.1f} us = "
+              + " + ".join(f"{k} {v:.1f}" for k, v in c["combine_terms_us"].items()))
+    print(f"fitted overlap efficiency {f.overlap:.4f} (hardware file has {out['in_hardware_file']:.4f}): "
           f"TPOT {f.result.tpot_ms:.2f} ms vs {f.target_tpot_ms} measured, "
           f"{f.result.tokens_per_s_per_device:.0f} tokens/s per NPU vs {f.target_tokens_per_s:.0f}")
     return 0
