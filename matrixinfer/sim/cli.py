@@ -299,7 +299,57 @@ def cmd_paper_tables(args) -> int:
     return 0
 
 
+def cmd_validate(args) -> int:
+    import torch
+
+    from matrixinfer.bench.report import save_json, write_section
+    from matrixinfer.sim.validate import plot, summary, validate
+
+    torch.set_num_threads(args.threads)
+    hw, model = _specs(args)
+    with tqdm(total=len(args.batches) * len(args.prompt_lens), desc="validate", disable=args.json) as bar:
+        rows = validate(hw, model, args.model, args.dtype, args.batches, args.prompt_lens, args.max_tokens,
+                        progress=bar.update)
+    out = summary(rows) | {"hardware": hw.name, "model": model.name, "dtype": args.dtype, "threads": args.threads}
+    table = markdown_table(
+        ["batch", "prompt", "step ms meas", "step ms pred", "TTFT ms meas", "TTFT ms pred", "tok/s meas",
+         "tok/s pred", "max err"],
+        [[r.batch, r.prompt_len, r.measured_decode_step_ms, r.predicted_decode_step_ms, r.measured_ttft_ms,
+          r.predicted_ttft_ms, r.measured_tokens_per_s, r.predicted_tokens_per_s,
+          f"{100 * max(r.rel_errors().values()):.1f} %"] for r in rows])
+    if args.save:
+        save_json("sim-validate", out)
+        plot(rows, "benchmarks/sim-validate.png")
+        write_section("sim-validate", "## Simulator validation on this machine (`matrixinfer simulate validate`)\n\n"
+                      f"Real engine ({args.dtype}, {args.threads} thread(s), {args.max_tokens} output tokens) against "
+                      f"the cost model with `{args.hardware}`; max relative error "
+                      f"{100 * out['max_rel_error']:.1f} %.\n\n{table}\n\n![validation](sim-validate.png)")
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"engine vs model on {hw.name}, {model.name}, {args.dtype}\n")
+    print(table)
+    print(f"\nmax relative error {100 * out['max_rel_error']:.1f} %")
+    return 0
+
+
+def cmd_bench_ops(args) -> int:
+    from matrixinfer.bench.ops_bench import cmd_bench_ops as run  # torch is imported only here
+
+    return run(args)
+
+
 def register(sub, bench_sub) -> None:
+    p = bench_sub.add_parser("ops", help="measure operator costs here; write a simulator hardware YAML")
+    p.add_argument("--model", default="models/matrixinfer-tiny-moe", help="model dir whose MLA shapes are timed")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="engine dtype for host overhead")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1: stable on a shared machine)")
+    p.add_argument("--out", default="benchmarks/ops.yaml", help="hardware YAML to write")
+    p.add_argument("--no-engine", action="store_true", help="skip the engine host-overhead measurement")
+    p.add_argument("--no-collectives", action="store_true", help="skip the 2-process gloo measurement")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_bench_ops)
+
     sim = sub.add_parser("simulate", help="CloudMatrix384 / GPU-cluster simulator")
     ssub = sim.add_subparsers(dest="simulate_command", required=True)
 
@@ -384,6 +434,18 @@ def register(sub, bench_sub) -> None:
     p = ssub.add_parser("calibrate", help="fit the overlap efficiency to the measured decode point")
     _common(p)
     p.set_defaults(func=cmd_calibrate)
+
+    p = ssub.add_parser("validate", help="real engine on this machine vs the model's prediction")
+    p.add_argument("--hardware", default="benchmarks/ops.yaml", help="hardware YAML (from `matrixinfer bench ops`)")
+    p.add_argument("--model", default="models/matrixinfer-tiny-moe", help="model directory the engine loads")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (as in bench ops)")
+    p.add_argument("--batches", type=int, nargs="+", default=[2, 4, 16])
+    p.add_argument("--prompt-lens", type=int, nargs="+", default=[128, 512])
+    p.add_argument("--max-tokens", type=int, default=17)
+    p.add_argument("--save", action="store_true", help="write benchmarks/sim-validate.{json,png} and its section")
+    p.add_argument("--json", action="store_true", help="print one JSON object with rows and max_rel_error")
+    p.set_defaults(func=cmd_validate)
 
     p = ssub.add_parser("paper-tables", help="predictions for the paper's scenarios")
     p.add_argument("--json", action="store_true", help='print {"scenarios": {id: {metric: value}}}')

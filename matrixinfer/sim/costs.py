@@ -76,12 +76,12 @@ def attention_core_flops_per_query_pos(model: ModelSpec, absorbed: bool) -> floa
 
 
 def attention_core_op(model: ModelSpec, query_pos_pairs: float, kv_tokens_read: float,
-                      kv_precision: str, absorbed: bool) -> Op:
+                      kv_precision: str, absorbed: bool, compute_precision: str = "bf16") -> Op:
     """FlashAttention-style core: `query_pos_pairs` (query, cached position) pairs of work,
     `kv_tokens_read` cached tokens read from HBM once."""
     flops = attention_core_flops_per_query_pos(model, absorbed) * query_pos_pairs
     kv_bytes = kv_tokens_read * model.kv_elems_per_token_layer() * BYTES[kv_precision]
-    return Op("attention_core", flops, kv_bytes, "bf16", kind="attention")
+    return Op("attention_core", flops, kv_bytes, compute_precision, kind="attention")
 
 
 def causal_pairs(prompt_len: float, cached: float = 0.0) -> float:
