@@ -333,6 +333,40 @@ def cmd_validate(args) -> int:
     return 0
 
 
+def cmd_deployment(args) -> int:
+    from matrixinfer.deployment import load_deployment
+    from matrixinfer.sim.deploy import predict, serve
+    from matrixinfer.sim.hardware import load_hardware
+    from matrixinfer.sim.modelspec import load_model
+
+    dep = load_deployment(args.file)
+    hw, model = load_hardware(args.hardware), load_model(dep.model)
+    out = predict(dep, hw, model, args.batch, args.kv, args.prompt, args.prefill_tokens, args.accept)
+    if args.rate and out["decode"]["fits"] and out["prefill"]["fits"]:
+        out["serve"] = serve(dep, hw, model, args.rate, args.requests, int(args.prompt), args.output,
+                             int(args.batch), args.accept)
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"{args.file} on {hw.name}: {dep.devices} devices, {model.name}, {dep.dtype}\n")
+    rows = []
+    for r in ("prefill", "decode"):
+        o = out[r]
+        c = o["capacity_gb"]
+        rows.append([r, f"{c['weights_gb']:.1f} + {c['kv_gb']:.1f} + {c['buffers_gb']:.1f} = {c['used']:.1f} / "
+                     f"{c['hbm_gb']:g}", "yes" if o["fits"] else "NO",
+                     o.get("tpot_ms", o.get("ttft_s", float("nan")) * 1e3) if o["fits"] else "-",
+                     o.get("tokens_per_s_per_device", "-")])
+    print(markdown_table(["role", "HBM GB per device (weights + KV + buffers)", "fits", "TPOT / TTFT ms",
+                          "tokens/s per device"], rows))
+    for r in ("prefill", "decode"):
+        if "error" in out[r]:
+            print(f"\n{out[r]['error']}: not simulated")
+    if "serve" in out:
+        print("\n" + markdown_table(list(out["serve"]), [list(out["serve"].values())]))
+    return 0
+
+
 def cmd_bench_ops(args) -> int:
     from matrixinfer.bench.ops_bench import cmd_bench_ops as run  # torch is imported only here
 
@@ -434,6 +468,20 @@ def register(sub, bench_sub) -> None:
     p = ssub.add_parser("calibrate", help="fit the overlap efficiency to the measured decode point")
     _common(p)
     p.set_defaults(func=cmd_calibrate)
+
+    p = ssub.add_parser("deployment", help="predict a deployment file (the one `serve --deployment` reads)")
+    p.add_argument("file", help="deployment YAML (see matrixinfer/deployment.py)")
+    p.add_argument("--hardware", default="cloudmatrix384", help="bundled name or a YAML path")
+    p.add_argument("--batch", type=float, default=96, help="decode sequences per device")
+    p.add_argument("--kv", type=float, default=4096, help="decode KV length")
+    p.add_argument("--prompt", type=float, default=4096, help="prompt length for prefill")
+    p.add_argument("--prefill-tokens", type=float, default=16384, help="prefill batch tokens per device")
+    p.add_argument("--accept", type=float, default=0.7, help="MTP acceptance per draft")
+    p.add_argument("--rate", type=float, default=0.0, help="also run the DES at this request rate (0 = off)")
+    p.add_argument("--requests", type=int, default=2000)
+    p.add_argument("--output", type=int, default=256)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_deployment)
 
     p = ssub.add_parser("validate", help="real engine on this machine vs the model's prediction")
     p.add_argument("--hardware", default="benchmarks/ops.yaml", help="hardware YAML (from `matrixinfer bench ops`)")

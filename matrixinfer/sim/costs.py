@@ -210,7 +210,7 @@ def ep_comm(hw: HardwareSpec, model: ModelSpec, tokens: float, ep: int, dispatch
     peers = min(ep - 1, tokens * dests)
     d_tok, c_tok = token_bytes(model.hidden, dispatch_precision), token_bytes(model.hidden, combine_precision)
     eff = hw.efficiency.link
-    if tokens <= 0:
+    if tokens <= 0 or ep <= 1:  # nothing leaves the device: no kernel at all
         return EPComm(0.0, 0.0, 0.0, 0.0)
     if hierarchical and ep > hw.scale_up.domain:
         node = hw.scale_up.domain

@@ -30,7 +30,7 @@ class PrefillConfig:
     prompt_len: float = 4096
     devices: int = 32  # devices of one prefill instance
     ep: int = 32
-    attention: str = "sp-tp-sp"  # or "dp"
+    attention: str = "sp-tp-sp"  # or "tp", "dp"
     weight_precision: str = "int8"
     dispatch_precision: str = "int8"
     kv_precision: str = "bf16"
@@ -46,8 +46,8 @@ class PrefillConfig:
     overlap: float | None = None
 
     def __post_init__(self):
-        if self.attention not in ("sp-tp-sp", "dp"):
-            raise ValueError(f"attention must be 'sp-tp-sp' or 'dp', got {self.attention!r}")
+        if self.attention not in ("sp-tp-sp", "tp", "dp"):
+            raise ValueError(f"attention must be 'sp-tp-sp', 'tp' or 'dp', got {self.attention!r}")
         if not 0 <= self.cache_hit < 1:
             raise ValueError("cache_hit must be in [0, 1)")
         if self.page_plane not in ("ub", "vpc"):
@@ -98,6 +98,16 @@ def _attention_path(hw, model: ModelSpec, cfg: PrefillConfig, new: float, cached
                                      hw.scale_up, hw.efficiency.link)
         comm = gather + back
         parts = {"all_gather": gather, "all_to_all": back}
+    elif cfg.attention == "tp" and cfg.devices > 1:
+        # plain TP: the instance's hidden states are all-gathered, the down-projections run
+        # replicated on all P x new tokens, heads are split; o_proj outputs are reduce-scattered
+        P = cfg.devices
+        ops[0] = Op("mla_down", 2 * P * new * (q_a + kv_a), (q_a + kv_a) * BYTES[w], w)
+        hid = (P - 1) * new * model.hidden * BYTES["bf16"]
+        gather = costs.all_to_all_time(hid, P - 1, hw.scale_up, hw.efficiency.link)
+        back = costs.all_to_all_time(hid, P - 1, hw.scale_up, hw.efficiency.link)
+        comm = gather + back
+        parts = {"all_gather": gather, "reduce_scatter": back}
     return OpTimes.of(ops, hw, comm_s=comm), parts
 
 
