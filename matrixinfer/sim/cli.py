@@ -162,7 +162,7 @@ def cmd_serve(args) -> int:
                         prefill_devices=args.prefill_devices, decode_devices=args.decode_devices,
                         max_batch_per_device=args.max_batch, ems_capacity_tokens=args.ems_capacity,
                         mtp_drafts=args.mtp, mtp_acceptance=args.accept, seed=args.seed,
-                        sample_dt=args.sample_dt)
+                        sample_dt=args.sample_dt, prefill_chunk_tokens=args.chunk_tokens)
     times = CostModelTimes(hw, model, cfg)
     with tqdm(total=len(reqs), desc="requests", unit="req", disable=args.json) as bar:
         res = simulate(reqs, cfg, times.prefill_time, times.decode_time, times.kv_bytes_per_token(),
@@ -206,7 +206,7 @@ def cmd_dispatch(args) -> int:
 
 # ---------------------------------------------------------------- allocation
 
-def allocation_sweep(sizes, means, total=8192, jobs=20000, window=1, seed=0, contiguous=False,
+def allocation_sweep(sizes, means, total=8192, jobs=20000, window=1, seed=0, contiguous=True,
                      quiet=False) -> dict[int, list[tuple[float, float]]]:
     """Allocation rate for every (supernode size, mean block size): size -> [(mean, rate)]."""
     from matrixinfer.sim.allocation import simulate_allocation
@@ -222,7 +222,7 @@ def cmd_allocation(args) -> int:
     from matrixinfer.sim.allocation import clos_cost
 
     rates = allocation_sweep(args.sizes, args.means, args.total, args.jobs, args.window, args.seed,
-                             args.contiguous, quiet=args.json)
+                             not args.relaxed, quiet=args.json)
     clos = [clos_cost(s * args.dies_per_npu, l2_radix=args.radix) for s in args.sizes]
     if args.plot:
         from matrixinfer.sim.plots import plot_allocation
@@ -440,6 +440,8 @@ def register(sub, bench_sub) -> None:
     p.add_argument("--mtp", type=int, default=1)
     p.add_argument("--accept", type=float, default=0.7)
     p.add_argument("--sample-dt", type=float, default=1.0)
+    p.add_argument("--chunk-tokens", type=int, default=0, help="chunked prefill: tokens per prefill step "
+                   "of an instance (0 = whole prompts)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", help="write utilisation over time to this PNG")
     p.set_defaults(func=cmd_serve)
@@ -457,7 +459,8 @@ def register(sub, bench_sub) -> None:
     p.add_argument("--total", type=int, default=8192, help="devices in the whole cluster")
     p.add_argument("--jobs", type=int, default=20000, help="job completions simulated per point")
     p.add_argument("--window", type=int, default=1, help="waiting jobs the scheduler may pick from (1 = FIFO)")
-    p.add_argument("--contiguous", action="store_true", help="blocks need contiguous device addresses")
+    p.add_argument("--relaxed", action="store_true", help="any free devices of a supernode make a block "
+                   "(default: contiguous devices, the paper's definition)")
     p.add_argument("--radix", type=int, default=48, help="L2 switch radix")
     p.add_argument("--dies-per-npu", type=int, default=2, help="UB endpoints per NPU for the Clos cost")
     p.add_argument("--seed", type=int, default=0)
