@@ -367,6 +367,21 @@ def cmd_deployment(args) -> int:
     return 0
 
 
+def cmd_sensitivity(args) -> int:
+    from matrixinfer.sim.sensitivity import sensitivity
+
+    rows = sensitivity(args.hardware, args.model, args.step)
+    if args.json:
+        print(json.dumps({"step": args.step, "rows": rows}))
+        return 0
+    keys = [k[: -len("_minus")] for k in rows[0] if k.endswith("_minus")]
+    print(f"relative change of each metric when one constant moves by -/+{100 * args.step:g} % (nothing refitted)\n")
+    print(markdown_table(["constant", "value", "source"] + keys,
+                         [[r["constant"], r["value"], r["source"].split(":")[0]]
+                          + [f"{100 * r[k + '_minus']:+.1f} / {100 * r[k + '_plus']:+.1f} %" for k in keys] for r in rows]))
+    return 0
+
+
 def cmd_bench_ops(args) -> int:
     from matrixinfer.bench.ops_bench import cmd_bench_ops as run  # torch is imported only here
 
@@ -485,6 +500,11 @@ def register(sub, bench_sub) -> None:
     p.add_argument("--output", type=int, default=256)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_deployment)
+
+    p = ssub.add_parser("sensitivity", help="change of the headline predictions per non-hardware-fact constant")
+    _common(p)
+    p.add_argument("--step", type=float, default=0.10, help="relative move of each constant")
+    p.set_defaults(func=cmd_sensitivity)
 
     p = ssub.add_parser("validate", help="real engine on this machine vs the model's prediction")
     p.add_argument("--hardware", default="benchmarks/ops.yaml", help="hardware YAML (from `matrixinfer bench ops`)")

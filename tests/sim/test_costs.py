@@ -175,3 +175,15 @@ def test_mtp_tokens_per_step():
     assert mtp_tokens_per_step(2, 0.5) == pytest.approx(1.75)
     assert mtp_tokens_per_step(0, 0.9) == 1
     assert math.isclose(mtp_tokens_per_step(3, 1.0), 4)
+
+
+def test_sensitivity_covers_every_non_fact_constant():
+    """Every constant not sourced as a hardware fact (targets aside) gets a row; the calibration
+    TPOT moves with the GEMM efficiency and not with the RDMA latency (decode runs on UB)."""
+    from matrixinfer.sim.sensitivity import SKIP, sensitivity
+
+    rows = {r["constant"]: r for r in sensitivity()}
+    expected = {k for k, v in CM.sources.items() if not v.startswith("hardware fact") and not k.startswith(SKIP)}
+    assert set(rows) == expected
+    assert rows["efficiency.gemm.int8"]["decode_tpot_ms_minus"] > 0.01
+    assert rows["planes.scale_out.latency_us"]["decode_tpot_ms_plus"] == pytest.approx(0, abs=1e-9)
