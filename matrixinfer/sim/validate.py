@@ -40,7 +40,7 @@ class Row:
                 for k in ("decode_step_ms", "ttft_ms", "tokens_per_s")}
 
 
-def measure(llm, batch: int, prompt_len: int, max_tokens: int, repeats: int = 2) -> tuple[float, float, float]:
+def measure(llm, batch: int, prompt_len: int, max_tokens: int, repeats: int = 3) -> tuple[float, float, float]:
     """(decode step s, TTFT s, output tokens/s) of the real engine; fastest of `repeats`."""
     from matrixinfer import SamplingParams
 
