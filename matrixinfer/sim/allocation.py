@@ -8,6 +8,13 @@ Bigger supernodes waste less at their edges; bigger blocks fragment more.
 Model: a cluster of n supernodes of S devices; job sizes drawn from a distribution with a
 given mean, lifetimes exponential (mean 1); when a job ends, the scheduler places every job
 of the first `window` waiting ones that fits (first fit, lowest supernode and address first).
+
+Block sizes: the paper gives only the mean block size, so sizes are powers of two from 1 to
+128 (what TP / EP groups ask for) with the maximum-entropy distribution of that mean, the
+distribution that assumes nothing beyond the mean and the support.
+Contiguity: by default a block is a run of contiguous device addresses (the paper's
+definition, `contiguous=True`); `contiguous=False` (CLI `--relaxed`) accepts any free devices
+of the supernode, which is what a non-blocking UB fabric would physically allow.
 """
 
 from __future__ import annotations

@@ -61,3 +61,52 @@ def fit_overlap(hw: HardwareSpec, model: ModelSpec, tol_ms: float = 1e-4) -> Fit
 
 def with_overlap(hw: HardwareSpec, overlap: float) -> HardwareSpec:
     return replace(hw, efficiency=replace(hw.efficiency, overlap=overlap))
+
+
+# ---------------------------------------------------------------- fused dispatch / combine
+
+@dataclass(frozen=True)
+class CollectiveFit:
+    launch_us: float
+    handshake_us: float
+    dispatch_us: float  # predicted with the fitted values (equals the measurement)
+    combine_us: float
+    dispatch_terms_us: dict
+    combine_terms_us: dict
+
+
+def fit_collectives(hw: HardwareSpec, model: ModelSpec) -> CollectiveFit:
+    """Launch and handshake costs that make the modelled dispatch and combine equal the
+    measured pair (hardware file's `collective_calibration`).
+
+    Every other term is predicted (payload over the plane, quantize / reorder / reduce passes
+    over HBM, flag writes per peer), and the two fitted costs enter linearly:
+        dispatch = launch + (1 + m) handshake + K_dispatch   (m metadata rounds + data round)
+        combine  = launch +   handshake + K_combine    (data round only)
+    so the fit is an exact solve of two equations. A negative solution means the predicted
+    terms alone already exceed a measurement; that is reported as an error, not clipped.
+    """
+    from matrixinfer.sim.costs import ep_comm
+    from matrixinfer.sim.hardware import CollectiveSpec
+
+    c = hw.collective_calibration
+    if c is None:
+        raise SpecError(f"{hw.name}: no collective_calibration in its hardware file")
+
+    def comm(spec: HardwareSpec):
+        return ep_comm(spec, model, c.tokens, c.ep, c.dispatch_precision, c.combine_precision,
+                       plane=spec.ep_decode_plane, dedup_ranks=False)
+
+    if hw.collective.metadata_rounds <= 0:
+        raise SpecError(f"{hw.name}: fitting needs a metadata round (collective.metadata_rounds > 0)")
+    base = comm(replace(hw, collective=CollectiveSpec(metadata_rounds=hw.collective.metadata_rounds)))
+    k_d, k_c = base.dispatch_s * 1e6, base.combine_s * 1e6
+    handshake = ((c.dispatch_us - c.combine_us) - (k_d - k_c)) / hw.collective.metadata_rounds
+    launch = c.combine_us - handshake - k_c
+    if handshake < 0 or launch < 0:
+        raise SpecError(f"{hw.name}: predicted terms exceed the measured dispatch/combine "
+                        f"(launch {launch:.1f} us, handshake {handshake:.1f} us)")
+    fitted = comm(replace(hw, collective=CollectiveSpec(launch, handshake, hw.collective.metadata_rounds)))
+    return CollectiveFit(launch, handshake, fitted.dispatch_s * 1e6, fitted.combine_s * 1e6,
+                         {k: v * 1e6 for k, v in fitted.dispatch_terms.items()},
+                         {k: v * 1e6 for k, v in fitted.combine_terms.items()})

@@ -9,7 +9,7 @@ import argparse
 import json
 import math
 import random
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from tqdm import tqdm
 
@@ -162,7 +162,7 @@ def cmd_serve(args) -> int:
                         prefill_devices=args.prefill_devices, decode_devices=args.decode_devices,
                         max_batch_per_device=args.max_batch, ems_capacity_tokens=args.ems_capacity,
                         mtp_drafts=args.mtp, mtp_acceptance=args.accept, seed=args.seed,
-                        sample_dt=args.sample_dt)
+                        sample_dt=args.sample_dt, prefill_chunk_tokens=args.chunk_tokens)
     times = CostModelTimes(hw, model, cfg)
     with tqdm(total=len(reqs), desc="requests", unit="req", disable=args.json) as bar:
         res = simulate(reqs, cfg, times.prefill_time, times.decode_time, times.kv_bytes_per_token(),
@@ -206,7 +206,7 @@ def cmd_dispatch(args) -> int:
 
 # ---------------------------------------------------------------- allocation
 
-def allocation_sweep(sizes, means, total=8192, jobs=20000, window=1, seed=0, contiguous=False,
+def allocation_sweep(sizes, means, total=8192, jobs=20000, window=1, seed=0, contiguous=True,
                      quiet=False) -> dict[int, list[tuple[float, float]]]:
     """Allocation rate for every (supernode size, mean block size): size -> [(mean, rate)]."""
     from matrixinfer.sim.allocation import simulate_allocation
@@ -222,7 +222,7 @@ def cmd_allocation(args) -> int:
     from matrixinfer.sim.allocation import clos_cost
 
     rates = allocation_sweep(args.sizes, args.means, args.total, args.jobs, args.window, args.seed,
-                             args.contiguous, quiet=args.json)
+                             not args.relaxed, quiet=args.json)
     clos = [clos_cost(s * args.dies_per_npu, l2_radix=args.radix) for s in args.sizes]
     if args.plot:
         from matrixinfer.sim.plots import plot_allocation
@@ -248,15 +248,33 @@ def cmd_allocation(args) -> int:
 # ---------------------------------------------------------------- calibrate / paper tables
 
 def cmd_calibrate(args) -> int:
-    from matrixinfer.sim.calibration import fit_overlap
+    """Fit the collective costs to the measured dispatch/combine pair, then the overlap
+    efficiency to the decode point with those costs (the overlap depends on them, not
+    the other way round)."""
+    from matrixinfer.sim.calibration import fit_collectives, fit_overlap
+    from matrixinfer.sim.hardware import CollectiveSpec
 
     hw, model = _specs(args)
+    out = {}
+    if hw.collective_calibration is not None:
+        cf = fit_collectives(hw, model)
+        hw = replace(hw, collective=CollectiveSpec(cf.launch_us, cf.handshake_us, hw.collective.metadata_rounds))
+        out["collective"] = asdict(cf) | {"in_hardware_file": asdict(_specs(args)[0].collective)}
     f = fit_overlap(hw, model)
-    out = {"overlap": f.overlap, "clipped": f.clipped, "tpot_ms": f.result.tpot_ms,
-           "tokens_per_s_per_npu": f.result.tokens_per_s_per_device, "target_tpot_ms": f.target_tpot_ms,
-           "target_tokens_per_s_per_npu": f.target_tokens_per_s, "in_hardware_file": hw.efficiency.overlap}
-    print(json.dumps(out, indent=2) if args.json else
-          f"fitted overlap efficiency {f.overlap:.4f} (hardware file has {hw.efficiency.overlap:.4f}): "
+    out |= {"overlap": f.overlap, "clipped": f.clipped, "tpot_ms": f.result.tpot_ms,
+            "tokens_per_s_per_npu": f.result.tokens_per_s_per_device, "target_tpot_ms": f.target_tpot_ms,
+            "target_tokens_per_s_per_npu": f.target_tokens_per_s, "in_hardware_file": _specs(args)[0].efficiency.overlap}
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    if "collective" in out:
+        c = out["collective"]
+        print(f"collective: launch {c['launch_us']:.2f} us, handshake {c['handshake_us']:.2f} us "
+              f"(hardware file: {c['in_hardware_file']}); dispatch {c['dispatch_us']:.1f} us = "
+              + " + ".join(f"{k} {v:.1f}" for k, v in c["dispatch_terms_us"].items())
+              + f"; combine {c['combine_us']:.1f} us = "
+              + " + ".join(f"{k} {v:.1f}" for k, v in c["combine_terms_us"].items()))
+    print(f"fitted overlap efficiency {f.overlap:.4f} (hardware file has {out['in_hardware_file']:.4f}): "
           f"TPOT {f.result.tpot_ms:.2f} ms vs {f.target_tpot_ms} measured, "
           f"{f.result.tokens_per_s_per_device:.0f} tokens/s per NPU vs {f.target_tokens_per_s:.0f}")
     return 0
@@ -281,7 +299,106 @@ def cmd_paper_tables(args) -> int:
     return 0
 
 
+def cmd_validate(args) -> int:
+    import torch
+
+    from matrixinfer.bench.report import save_json, write_section
+    from matrixinfer.sim.validate import plot, summary, validate
+
+    torch.set_num_threads(args.threads)
+    hw, model = _specs(args)
+    with tqdm(total=len(args.batches) * len(args.prompt_lens), desc="validate", disable=args.json) as bar:
+        rows = validate(hw, model, args.model, args.dtype, args.batches, args.prompt_lens, args.max_tokens,
+                        progress=bar.update)
+    out = summary(rows) | {"hardware": hw.name, "model": model.name, "dtype": args.dtype, "threads": args.threads}
+    table = markdown_table(
+        ["batch", "prompt", "step ms meas", "step ms pred", "TTFT ms meas", "TTFT ms pred", "tok/s meas",
+         "tok/s pred", "max err"],
+        [[r.batch, r.prompt_len, r.measured_decode_step_ms, r.predicted_decode_step_ms, r.measured_ttft_ms,
+          r.predicted_ttft_ms, r.measured_tokens_per_s, r.predicted_tokens_per_s,
+          f"{100 * max(r.rel_errors().values()):.1f} %"] for r in rows])
+    if args.save:
+        save_json("sim-validate", out)
+        plot(rows, "benchmarks/sim-validate.png")
+        write_section("sim-validate", "## Simulator validation on this machine (`matrixinfer simulate validate`)\n\n"
+                      f"Real engine ({args.dtype}, {args.threads} thread(s), {args.max_tokens} output tokens) against "
+                      f"the cost model with `{args.hardware}`; max relative error "
+                      f"{100 * out['max_rel_error']:.1f} %.\n\n{table}\n\n![validation](sim-validate.png)")
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"engine vs model on {hw.name}, {model.name}, {args.dtype}\n")
+    print(table)
+    print(f"\nmax relative error {100 * out['max_rel_error']:.1f} %")
+    return 0
+
+
+def cmd_deployment(args) -> int:
+    from matrixinfer.deployment import load_deployment
+    from matrixinfer.sim.deploy import predict, serve
+    from matrixinfer.sim.hardware import load_hardware
+    from matrixinfer.sim.modelspec import load_model
+
+    dep = load_deployment(args.file)
+    hw, model = load_hardware(args.hardware), load_model(dep.model)
+    out = predict(dep, hw, model, args.batch, args.kv, args.prompt, args.prefill_tokens, args.accept)
+    if args.rate and out["decode"]["fits"] and out["prefill"]["fits"]:
+        out["serve"] = serve(dep, hw, model, args.rate, args.requests, int(args.prompt), args.output,
+                             int(args.batch), args.accept)
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"{args.file} on {hw.name}: {dep.devices} devices, {model.name}, {dep.dtype}\n")
+    rows = []
+    for r in ("prefill", "decode"):
+        o = out[r]
+        c = o["capacity_gb"]
+        rows.append([r, f"{c['weights_gb']:.1f} + {c['kv_gb']:.1f} + {c['buffers_gb']:.1f} = {c['used']:.1f} / "
+                     f"{c['hbm_gb']:g}", "yes" if o["fits"] else "NO",
+                     o.get("tpot_ms", o.get("ttft_s", float("nan")) * 1e3) if o["fits"] else "-",
+                     o.get("tokens_per_s_per_device", "-")])
+    print(markdown_table(["role", "HBM GB per device (weights + KV + buffers)", "fits", "TPOT / TTFT ms",
+                          "tokens/s per device"], rows))
+    for r in ("prefill", "decode"):
+        if "error" in out[r]:
+            print(f"\n{out[r]['error']}: not simulated")
+    if "serve" in out:
+        print("\n" + markdown_table(list(out["serve"]), [list(out["serve"].values())]))
+    return 0
+
+
+def cmd_sensitivity(args) -> int:
+    from matrixinfer.sim.sensitivity import sensitivity
+
+    rows = sensitivity(args.hardware, args.model, args.step)
+    if args.json:
+        print(json.dumps({"step": args.step, "rows": rows}))
+        return 0
+    keys = [k[: -len("_minus")] for k in rows[0] if k.endswith("_minus")]
+    print(f"relative change of each metric when one constant moves by -/+{100 * args.step:g} % (nothing refitted)\n")
+    print(markdown_table(["constant", "value", "source"] + keys,
+                         [[r["constant"], r["value"], r["source"].split(":")[0]]
+                          + [f"{100 * r[k + '_minus']:+.1f} / {100 * r[k + '_plus']:+.1f} %" for k in keys] for r in rows]))
+    return 0
+
+
+def cmd_bench_ops(args) -> int:
+    from matrixinfer.bench.ops_bench import cmd_bench_ops as run  # torch is imported only here
+
+    return run(args)
+
+
 def register(sub, bench_sub) -> None:
+    p = bench_sub.add_parser("ops", help="measure operator costs here; write a simulator hardware YAML")
+    p.add_argument("--model", default="models/matrixinfer-tiny-moe", help="model dir whose MLA shapes are timed")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="engine dtype for host overhead")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1: stable on a shared machine)")
+    p.add_argument("--out", default="benchmarks/ops.yaml", help="hardware YAML to write")
+    p.add_argument("--no-engine", action="store_true", help="skip the engine host-overhead measurement")
+    p.add_argument("--no-collectives", action="store_true", help="skip the 2-process gloo measurement")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_bench_ops)
+
     sim = sub.add_parser("simulate", help="CloudMatrix384 / GPU-cluster simulator")
     ssub = sim.add_subparsers(dest="simulate_command", required=True)
 
@@ -338,6 +455,8 @@ def register(sub, bench_sub) -> None:
     p.add_argument("--mtp", type=int, default=1)
     p.add_argument("--accept", type=float, default=0.7)
     p.add_argument("--sample-dt", type=float, default=1.0)
+    p.add_argument("--chunk-tokens", type=int, default=0, help="chunked prefill: tokens per prefill step "
+                   "of an instance (0 = whole prompts)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", help="write utilisation over time to this PNG")
     p.set_defaults(func=cmd_serve)
@@ -355,7 +474,8 @@ def register(sub, bench_sub) -> None:
     p.add_argument("--total", type=int, default=8192, help="devices in the whole cluster")
     p.add_argument("--jobs", type=int, default=20000, help="job completions simulated per point")
     p.add_argument("--window", type=int, default=1, help="waiting jobs the scheduler may pick from (1 = FIFO)")
-    p.add_argument("--contiguous", action="store_true", help="blocks need contiguous device addresses")
+    p.add_argument("--relaxed", action="store_true", help="any free devices of a supernode make a block "
+                   "(default: contiguous devices, the paper's definition)")
     p.add_argument("--radix", type=int, default=48, help="L2 switch radix")
     p.add_argument("--dies-per-npu", type=int, default=2, help="UB endpoints per NPU for the Clos cost")
     p.add_argument("--seed", type=int, default=0)
@@ -366,6 +486,37 @@ def register(sub, bench_sub) -> None:
     p = ssub.add_parser("calibrate", help="fit the overlap efficiency to the measured decode point")
     _common(p)
     p.set_defaults(func=cmd_calibrate)
+
+    p = ssub.add_parser("deployment", help="predict a deployment file (the one `serve --deployment` reads)")
+    p.add_argument("file", help="deployment YAML (see matrixinfer/deployment.py)")
+    p.add_argument("--hardware", default="cloudmatrix384", help="bundled name or a YAML path")
+    p.add_argument("--batch", type=float, default=96, help="decode sequences per device")
+    p.add_argument("--kv", type=float, default=4096, help="decode KV length")
+    p.add_argument("--prompt", type=float, default=4096, help="prompt length for prefill")
+    p.add_argument("--prefill-tokens", type=float, default=16384, help="prefill batch tokens per device")
+    p.add_argument("--accept", type=float, default=0.7, help="MTP acceptance per draft")
+    p.add_argument("--rate", type=float, default=0.0, help="also run the DES at this request rate (0 = off)")
+    p.add_argument("--requests", type=int, default=2000)
+    p.add_argument("--output", type=int, default=256)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_deployment)
+
+    p = ssub.add_parser("sensitivity", help="change of the headline predictions per non-hardware-fact constant")
+    _common(p)
+    p.add_argument("--step", type=float, default=0.10, help="relative move of each constant")
+    p.set_defaults(func=cmd_sensitivity)
+
+    p = ssub.add_parser("validate", help="real engine on this machine vs the model's prediction")
+    p.add_argument("--hardware", default="benchmarks/ops.yaml", help="hardware YAML (from `matrixinfer bench ops`)")
+    p.add_argument("--model", default="models/matrixinfer-tiny-moe", help="model directory the engine loads")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (as in bench ops)")
+    p.add_argument("--batches", type=int, nargs="+", default=[2, 4, 16])
+    p.add_argument("--prompt-lens", type=int, nargs="+", default=[128, 512])
+    p.add_argument("--max-tokens", type=int, default=17)
+    p.add_argument("--save", action="store_true", help="write benchmarks/sim-validate.{json,png} and its section")
+    p.add_argument("--json", action="store_true", help="print one JSON object with rows and max_rel_error")
+    p.set_defaults(func=cmd_validate)
 
     p = ssub.add_parser("paper-tables", help="predictions for the paper's scenarios")
     p.add_argument("--json", action="store_true", help='print {"scenarios": {id: {metric: value}}}')

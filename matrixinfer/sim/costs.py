@@ -10,7 +10,7 @@ All-to-all of one device:  t = latency + bytes_out / (plane_bw * eff_link) + pee
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from matrixinfer.sim.hardware import HardwareSpec, PlaneSpec
 from matrixinfer.sim.modelspec import ModelSpec
@@ -76,12 +76,12 @@ def attention_core_flops_per_query_pos(model: ModelSpec, absorbed: bool) -> floa
 
 
 def attention_core_op(model: ModelSpec, query_pos_pairs: float, kv_tokens_read: float,
-                      kv_precision: str, absorbed: bool) -> Op:
+                      kv_precision: str, absorbed: bool, compute_precision: str = "bf16") -> Op:
     """FlashAttention-style core: `query_pos_pairs` (query, cached position) pairs of work,
     `kv_tokens_read` cached tokens read from HBM once."""
     flops = attention_core_flops_per_query_pos(model, absorbed) * query_pos_pairs
     kv_bytes = kv_tokens_read * model.kv_elems_per_token_layer() * BYTES[kv_precision]
-    return Op("attention_core", flops, kv_bytes, "bf16", kind="attention")
+    return Op("attention_core", flops, kv_bytes, compute_precision, kind="attention")
 
 
 def causal_pairs(prompt_len: float, cached: float = 0.0) -> float:
@@ -145,6 +145,48 @@ class EPComm:
     combine_s: float
     dispatch_bytes: float
     combine_bytes: float
+    dispatch_terms: dict = field(default_factory=dict)  # term -> seconds, summing to dispatch_s
+    combine_terms: dict = field(default_factory=dict)
+
+
+def hbm_pass_time(hw: HardwareSpec, nbytes: float) -> float:
+    """A vector-core pass over `nbytes` of HBM (quantize, reorder, reduce): memory-bound at
+    the measured memory-bound efficiency."""
+    return nbytes / (hw.device.hbm_tb_s * 1e12 * hw.efficiency.mla_memory)
+
+
+def sync_round_time(hw: HardwareSpec, plane: PlaneSpec, peers: float) -> float:
+    """One synchronisation round of a fused kernel: flag writes to `peers` peers, the one-way
+    latency of the plane and the handshake (remote poll sees the flag)."""
+    return plane.latency_us * 1e-6 + hw.collective.handshake_us * 1e-6 + peers * plane.per_peer_us * 1e-6
+
+
+def dispatch_terms(hw: HardwareSpec, plane: PlaneSpec, tokens: float, copies: float, hidden: int,
+                   precision: str, wire_s: float, peers: float) -> dict:
+    """Terms of one fused dispatch on one device (seconds).
+
+    launch; quantize (read BF16 tokens, write the quantized ones: a memory pass, only when
+    the wire precision is narrower); metadata exchange (per-expert token counts, one
+    synchronisation round before data can be placed); the payload on the wire with its
+    data-ready round (`wire_s`, from all_to_all_time, plus the handshake); receive-side
+    reorder of every received copy into expert-major order (read + write).
+    """
+    tok = token_bytes(hidden, precision)
+    quant = hbm_pass_time(hw, tokens * hidden * BYTES["bf16"] + tokens * tok) if precision in ("int8", "fp8") else 0.0
+    return {"launch": hw.collective.launch_us * 1e-6, "quantize": quant,
+            "metadata": hw.collective.metadata_rounds * sync_round_time(hw, plane, peers),
+            "payload": wire_s + hw.collective.handshake_us * 1e-6,
+            "reorder": hbm_pass_time(hw, 2 * tokens * copies * tok)}
+
+
+def combine_terms(hw: HardwareSpec, tokens: float, copies: float, hidden: int, precision: str, wire_s: float) -> dict:
+    """Terms of one fused combine: launch; the payload with one data-ready round (the layout is
+    known from dispatch, no metadata exchange); the weighted sum of each token's returned
+    copies (read every copy, write one BF16 token)."""
+    tok = token_bytes(hidden, precision)
+    return {"launch": hw.collective.launch_us * 1e-6,
+            "payload": wire_s + hw.collective.handshake_us * 1e-6,
+            "reduce": hbm_pass_time(hw, tokens * copies * tok + tokens * hidden * BYTES["bf16"])}
 
 
 def ep_comm(hw: HardwareSpec, model: ModelSpec, tokens: float, ep: int, dispatch_precision: str,
@@ -158,7 +200,9 @@ def ep_comm(hw: HardwareSpec, model: ModelSpec, tokens: float, ep: int, dispatch
     expert instead (`dedup_ranks=False`): top_k copies per token.
     Combine sends the expert outputs back along the same routes.
     `hierarchical` (GPU clusters, DeepEP normal kernels): inter-node traffic is sent once
-    per destination node over RDMA and forwarded over NVLink; time is the slower plane.
+    per destination node over RDMA and forwarded over NVLink; the wire time is the slower plane.
+    Around the wire time both kernels pay the fixed and memory terms of dispatch_terms /
+    combine_terms.
     """
     routed = expected_distinct_ranks(model.top_k, model.routed_experts, ep) if dedup_ranks else model.top_k
     dests = routed + extra_dests
@@ -166,21 +210,24 @@ def ep_comm(hw: HardwareSpec, model: ModelSpec, tokens: float, ep: int, dispatch
     peers = min(ep - 1, tokens * dests)
     d_tok, c_tok = token_bytes(model.hidden, dispatch_precision), token_bytes(model.hidden, combine_precision)
     eff = hw.efficiency.link
+    if tokens <= 0 or ep <= 1:  # nothing leaves the device: no kernel at all
+        return EPComm(0.0, 0.0, 0.0, 0.0)
     if hierarchical and ep > hw.scale_up.domain:
         node = hw.scale_up.domain
         nodes = ep // node
         node_dests = expected_distinct_ranks(model.top_k, model.routed_experts, nodes) * (nodes - 1) / nodes
-        rdma = hw.scale_out
-        nvl = hw.scale_up
-        times = []
-        for tok in (d_tok, c_tok):
-            t_rdma = all_to_all_time(tokens * node_dests * tok, nodes - 1, rdma, eff)
-            t_nvl = all_to_all_time(tokens * dests * remote * tok, node - 1, nvl, eff)
-            times.append(max(t_rdma, t_nvl))
-        return EPComm(times[0], times[1], tokens * node_dests * d_tok, tokens * node_dests * c_tok)
-    p = hw.plane(plane or hw.ep_decode_plane)
-    d_bytes, c_bytes = tokens * dests * remote * d_tok, tokens * dests * remote * c_tok
-    return EPComm(all_to_all_time(d_bytes, peers, p, eff), all_to_all_time(c_bytes, peers, p, eff), d_bytes, c_bytes)
+        wires = [max(all_to_all_time(tokens * node_dests * tok, nodes - 1, hw.scale_out, eff),
+                     all_to_all_time(tokens * dests * remote * tok, node - 1, hw.scale_up, eff))
+                 for tok in (d_tok, c_tok)]
+        p, peers = hw.scale_out, nodes - 1
+        d_bytes, c_bytes = tokens * node_dests * d_tok, tokens * node_dests * c_tok
+    else:
+        p = hw.plane(plane or hw.ep_decode_plane)
+        d_bytes, c_bytes = tokens * dests * remote * d_tok, tokens * dests * remote * c_tok
+        wires = [all_to_all_time(d_bytes, peers, p, eff), all_to_all_time(c_bytes, peers, p, eff)]
+    dt = dispatch_terms(hw, p, tokens, dests, model.hidden, dispatch_precision, wires[0], peers)
+    ct = combine_terms(hw, tokens, dests, model.hidden, combine_precision, wires[1])
+    return EPComm(sum(dt.values()), sum(ct.values()), d_bytes, c_bytes, dt, ct)
 
 
 # ---------------------------------------------------------------- expert load balance

@@ -143,6 +143,7 @@ def decode_step(hw: HardwareSpec, model: ModelSpec, cfg: DecodeConfig) -> Decode
                + costs.op_time(eh, hw).time_s + costs.op_time(costs.lm_head_op(model, seqs), hw).time_s)
         t_mtp = cfg.mtp_drafts * one
     t_sync = 0.0 if cfg.pipelined_mtp else (cfg.mtp_drafts + 1) * cfg.host_sync_ms * 1e-3
+    t_sync += (hw.host.step_overhead_us + hw.host.per_seq_us * seqs) * 1e-6  # eager engines (0 in graph mode)
     step = t_layers + t_head + t_mtp + t_sync
     per_step = mtp_tokens_per_step(cfg.mtp_drafts, cfg.mtp_acceptance)
     tpot = step / per_step

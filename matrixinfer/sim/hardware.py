@@ -67,6 +67,45 @@ class ClosSpec:
 
 
 @dataclass(frozen=True)
+class CollectiveSpec:
+    """Fixed costs of a fused dispatch / combine kernel beyond moving its payload.
+
+    launch_us: kernel launch and the final barrier, paid once per kernel.
+    handshake_us: one synchronisation round inside the kernel (flag write to the peers, the
+    peers' vector cores polling the flag in HBM and seeing it), beyond the plane's one-way
+    latency. Dispatch pays two rounds (metadata exchange, then data), combine one.
+    """
+
+    launch_us: float = 0.0
+    handshake_us: float = 0.0
+    metadata_rounds: float = 1.0  # 0 where counts travel with the data (DeepEP low-latency)
+
+
+@dataclass(frozen=True)
+class CollectiveCalibration:
+    """Measured dispatch / combine latencies the CollectiveSpec is fitted to."""
+
+    tokens: int
+    ep: int
+    dispatch_precision: str
+    combine_precision: str
+    dispatch_us: float
+    combine_us: float
+
+
+@dataclass(frozen=True)
+class HostSpec:
+    """Host-side cost of one engine step (the local machine's engine runs eagerly)."""
+
+    step_overhead_us: float = 0.0  # scheduler, input preparation, sampling: per step
+    per_seq_us: float = 0.0  # per running sequence per step
+    op_launch_us: float = 0.0  # dispatch cost of one operator launch
+
+
+SOURCE_KINDS = ("hardware fact", "paper measurement", "fitted", "assumption", "measured on")
+
+
+@dataclass(frozen=True)
 class Calibration:
     """The one measured decode point the overlap efficiency is fitted to."""
 
@@ -92,6 +131,10 @@ class HardwareSpec:
     cpu_mem_gb_s: float = 0.0  # per CPU socket, what an EMS server can serve
     clos: ClosSpec | None = None
     calibration: Calibration | None = None
+    collective: CollectiveSpec = CollectiveSpec()
+    collective_calibration: CollectiveCalibration | None = None
+    host: HostSpec = HostSpec()
+    sources: dict = field(default_factory=dict)  # dotted field -> where its value comes from
     extra: dict = field(default_factory=dict)
 
     def plane(self, which: str) -> PlaneSpec:
@@ -138,6 +181,60 @@ def _plane(d: dict, where: str) -> PlaneSpec:
         per_peer_us=float(d.get("per_peer_us", 0.0)),
         domain=int(d.get("domain", 0)),
     )
+
+
+def numeric_fields(raw: dict, prefix: str = "") -> list[str]:
+    """Dotted names of every number in a hardware file (the constants that need a source)."""
+    out = []
+    for k, v in raw.items():
+        name = f"{prefix}{k}"
+        if k == "sources":
+            continue
+        if isinstance(v, dict):
+            out += numeric_fields(v, name + ".")
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            out.append(name)
+    return out
+
+
+def _sources(raw: dict, where: str) -> dict:
+    """`sources:` maps a dotted field to where its value comes from; each must name a field
+    of the file and start with one of SOURCE_KINDS."""
+    src = raw.get("sources", {}) or {}
+    if not isinstance(src, dict):
+        raise SpecError(f"{where}.sources: expected a mapping field -> source")
+    known = set(numeric_fields(raw))
+    for k, v in src.items():
+        if k not in known:
+            raise SpecError(f"{where}.sources: '{k}' is not a numeric field of this file")
+        if not str(v).startswith(SOURCE_KINDS):
+            raise SpecError(f"{where}.sources.{k}: must start with one of {SOURCE_KINDS}, got {v!r}")
+    return {str(k): str(v) for k, v in src.items()}
+
+
+def _optional_floats(raw: dict, key: str, cls, where: str):
+    d = raw.get(key)
+    if d is None:
+        return cls()
+    vals = {}
+    for k in cls.__dataclass_fields__:
+        v = float(d.get(k, cls.__dataclass_fields__[k].default))
+        if v < 0:
+            raise SpecError(f"{where}.{key}.{k}: must be >= 0, got {v}")
+        vals[k] = v
+    return cls(**vals)
+
+
+def _collective_calibration(raw: dict, where: str) -> CollectiveCalibration | None:
+    c = raw.get("collective_calibration")
+    if c is None:
+        return None
+    w = f"{where}.collective_calibration"
+    return CollectiveCalibration(
+        tokens=_positive(c, "tokens", w, int), ep=_positive(c, "ep", w, int),
+        dispatch_precision=str(_need(c, "dispatch_precision", w)),
+        combine_precision=str(_need(c, "combine_precision", w)),
+        dispatch_us=_positive(c, "dispatch_us", w), combine_us=_positive(c, "combine_us", w))
 
 
 def hardware_from_dict(raw: dict, source: str = "<dict>") -> HardwareSpec:
@@ -201,6 +298,10 @@ def hardware_from_dict(raw: dict, source: str = "<dict>") -> HardwareSpec:
         cpu_mem_gb_s=float(raw.get("cpu_mem_gb_s", 0.0)),
         clos=clos,
         calibration=calibration,
+        collective=_optional_floats(raw, "collective", CollectiveSpec, w),
+        collective_calibration=_collective_calibration(raw, w),
+        host=_optional_floats(raw, "host", HostSpec, w),
+        sources=_sources(raw, w),
         extra=dict(raw.get("extra", {})),
     )
 

@@ -10,8 +10,12 @@ cut evenly, so every device gets the same work whatever the prompt lengths):
   MoE            gate, dispatch, experts (EP), combine
 DP: each device runs whole prompts with all heads; no attention communication, but the
 batch ends when the device with the most work finishes.
-A cached prefix (EMS context cache) removes the new-token work of the cached positions but
-its latent KV must be read from the pool and expanded (kv_b) for the TP heads.
+A cached prefix (EMS context cache) removes the new-token work of the cached positions, but
+not for free: each prompt's prefix is looked up (a round trip to the MP server), its latent
+KV is read from the pool over UB or VPC (bandwidth per reader: its link, or its share of the
+EMS sockets' memory bandwidth among `ems_readers` readers) and expanded by kv_b for the TP
+heads, and the new tokens still attend over the whole prefix. Queueing at the prefill
+instances is the discrete-event simulation's (serving.py): the load is part of the service.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ class PrefillConfig:
     prompt_len: float = 4096
     devices: int = 32  # devices of one prefill instance
     ep: int = 32
-    attention: str = "sp-tp-sp"  # or "dp"
+    attention: str = "sp-tp-sp"  # or "tp", "dp"
     weight_precision: str = "int8"
     dispatch_precision: str = "int8"
     kv_precision: str = "bf16"
@@ -40,14 +44,16 @@ class PrefillConfig:
     cache_hit: float = 0.0  # fraction of prompt tokens found in the EMS context cache
     page_plane: str = "ub"  # "ub" or "vpc": where cached KV pages are read from
     ems_readers: int = 192  # devices reading the pool at once (6 prefill instances x 32 dies)
+    ems_lookup_us: float = 10.0  # assumption: metadata service time of one prefix lookup
+    prefix_in_hbm: bool = False  # the cached part is earlier chunks of the same prompt: no lookup, no page reads
     hierarchical_ep: bool = False  # GPU clusters: RDMA between nodes + NVLink inside
     moe_tokens_per_device: float | None = None  # EP load per device if it differs from this
     # device's own tokens (DP: experts see the group's mean, attention only its own prompts)
     overlap: float | None = None
 
     def __post_init__(self):
-        if self.attention not in ("sp-tp-sp", "dp"):
-            raise ValueError(f"attention must be 'sp-tp-sp' or 'dp', got {self.attention!r}")
+        if self.attention not in ("sp-tp-sp", "tp", "dp"):
+            raise ValueError(f"attention must be 'sp-tp-sp', 'tp' or 'dp', got {self.attention!r}")
         if not 0 <= self.cache_hit < 1:
             raise ValueError("cache_hit must be in [0, 1)")
         if self.page_plane not in ("ub", "vpc"):
@@ -98,6 +104,16 @@ def _attention_path(hw, model: ModelSpec, cfg: PrefillConfig, new: float, cached
                                      hw.scale_up, hw.efficiency.link)
         comm = gather + back
         parts = {"all_gather": gather, "all_to_all": back}
+    elif cfg.attention == "tp" and cfg.devices > 1:
+        # plain TP: the instance's hidden states are all-gathered, the down-projections run
+        # replicated on all P x new tokens, heads are split; o_proj outputs are reduce-scattered
+        P = cfg.devices
+        ops[0] = Op("mla_down", 2 * P * new * (q_a + kv_a), (q_a + kv_a) * BYTES[w], w)
+        hid = (P - 1) * new * model.hidden * BYTES["bf16"]
+        gather = costs.all_to_all_time(hid, P - 1, hw.scale_up, hw.efficiency.link)
+        back = costs.all_to_all_time(hid, P - 1, hw.scale_up, hw.efficiency.link)
+        comm = gather + back
+        parts = {"all_gather": gather, "reduce_scatter": back}
     return OpTimes.of(ops, hw, comm_s=comm), parts
 
 
@@ -133,10 +149,26 @@ def prefill_batch(hw: HardwareSpec, model: ModelSpec, cfg: PrefillConfig) -> Pre
     batch = model.moe_layers * t_moe_layer + (model.layers - model.moe_layers) * t_dense_layer + head
     kv_bytes = cfg.tokens_per_device * cfg.cache_hit * model.layers * model.kv_elems_per_token_layer() \
         * BYTES[cfg.kv_precision]
+    if cfg.prefix_in_hbm:
+        kv_bytes = 0.0
     load = kv_bytes / (page_read_gb_s(hw, cfg.page_plane, cfg.ems_readers) * 1e9) if kv_bytes else 0.0
+    look = n_prompts * context_lookup_s(hw, cfg) if cfg.cache_hit and not cfg.prefix_in_hbm else 0.0
+    # what reuse does not save: the new tokens still attend over the whole cached prefix
+    unsaved = mb * costs.op_time(costs.attention_core_op(
+        model, n_prompts * (cfg.prompt_len - cached_len) * cached_len / mb, 0, cfg.kv_precision, False), hw).time_s
     breakdown = {"moe_layers": model.moe_layers * t_moe_layer, "dense_layers": (model.layers - model.moe_layers) * t_dense_layer,
-                 "lm_head": head, "kv_load": load, **{f"{k}_per_layer_mb": v for k, v in parts.items()}}
-    return PrefillResult(batch, load, load + batch, cfg.tokens_per_device / max(batch, load), breakdown)
+                 "lm_head": head, "kv_load": load, "lookup": look, "prefix_attention_per_layer": unsaved,
+                 **{f"{k}_per_layer_mb": v for k, v in parts.items()}}
+    # the lookup precedes the page reads; page reads of the next batch overlap this batch's compute
+    return PrefillResult(batch, load + look, look + load + batch, cfg.tokens_per_device / max(batch, load + look),
+                         breakdown)
+
+
+def context_lookup_s(hw: HardwareSpec, cfg: PrefillConfig) -> float:
+    """One prompt's EMS lookup: a round trip to the MP server's metadata over the page plane
+    plus its service time (which pages hold the prefix; the hash is computed on the host)."""
+    latency = hw.scale_up.latency_us if cfg.page_plane == "ub" else hw.scale_out.latency_us
+    return (2 * latency + cfg.ems_lookup_us) * 1e-6
 
 
 # ---------------------------------------------------------------- DP vs SP-TP-SP balance

@@ -114,11 +114,23 @@ class EMSPool:
             self.used += req.prefix_len
 
 
+@dataclass
+class Chunk:
+    """Part of a prompt prefilled in one step (chunked prefill): `prompt_len` tokens after
+    `prefix_done` tokens of the same prompt whose KV is already in HBM."""
+
+    req: Request
+    prompt_len: int
+    prefix_done: int
+    cached_tokens: int = 0
+
+
 class PrefillInstance:
     def __init__(self, env: simpy.Environment, name: str, step_time: Callable[[list[Request]], float],
-                 ems: EMSPool | None, on_done: Callable[[Request], None], token_budget: int, max_requests: int):
+                 ems: EMSPool | None, on_done: Callable[[Request], None], token_budget: int, max_requests: int,
+                 chunk_tokens: int = 0):
         self.env, self.name, self.step_time, self.ems, self.on_done = env, name, step_time, ems, on_done
-        self.token_budget, self.max_requests = token_budget, max_requests
+        self.token_budget, self.max_requests, self.chunk_tokens = token_budget, max_requests, chunk_tokens
         self.queue: simpy.Store = simpy.Store(env)
         self.queued_tokens = 0
         self.busy = False
@@ -130,6 +142,8 @@ class PrefillInstance:
         self.queue.put(req)
 
     def run(self):
+        if self.chunk_tokens:
+            yield from self.run_chunked()
         while True:
             batch = [(yield self.queue.get())]
             tokens = batch[0].prompt_len
@@ -152,6 +166,46 @@ class PrefillInstance:
                 if self.ems:
                     self.ems.insert(r)
                 self.on_done(r)
+
+
+    def run_chunked(self):
+        """Chunked prefill: each step takes up to `chunk_tokens` tokens from the head of the
+        queue, splitting a long prompt over several steps; a request's first token comes with
+        its last chunk. A cached prefix is looked up once, before its first chunk."""
+        progress: dict[int, int] = {}  # rid -> prompt tokens already prefilled
+        while True:
+            head = yield self.queue.get()
+            self.queue.items.insert(0, head)
+            pieces, budget = [], self.chunk_tokens
+            for r in list(self.queue.items):
+                if budget <= 0 or len(pieces) >= self.max_requests:
+                    break
+                if r.rid not in progress:
+                    r.prefill_start = self.env.now
+                    r.cached_tokens = self.ems.lookup(r) if self.ems else 0
+                    progress[r.rid] = 0
+                done = progress[r.rid]
+                first = done == 0
+                take = min(budget, r.prompt_len - done - (r.cached_tokens if first else 0))
+                pieces.append(Chunk(r, take + (r.cached_tokens if first else 0), done,
+                                    r.cached_tokens if first else 0))
+                budget -= take
+            self.busy = True
+            t = self.step_time(pieces)
+            yield self.env.timeout(t)
+            self.busy = False
+            self.busy_time += t
+            for c in pieces:
+                r = c.req
+                progress[r.rid] = c.prefix_done + c.prompt_len
+                if progress[r.rid] >= r.prompt_len:
+                    self.queue.items.remove(r)
+                    del progress[r.rid]
+                    self.queued_tokens -= r.prompt_len
+                    r.first_token = self.env.now
+                    if self.ems:
+                        self.ems.insert(r)
+                    self.on_done(r)
 
 
 class DecodeInstance:
@@ -216,6 +270,7 @@ class ServingConfig:
     prefill_token_budget: int = 16384 * 32  # per prefill batch of one instance
     prefill_max_requests: int = 1024
     ems_capacity_tokens: int = 0  # 0 = no context cache
+    prefill_chunk_tokens: int = 0  # per prefill step of one instance; 0 = whole prompts (no chunking)
     kv_transfer_gb_s: float = 25.0  # prefill -> decode hand-off per request (RDMA plane, one die)
     mtp_drafts: int = 1
     mtp_acceptance: float = 0.7
@@ -284,7 +339,7 @@ def simulate(requests: list[Request], cfg: ServingConfig,
             env.process(handoff(r))
 
     prefills = [PrefillInstance(env, f"prefill{i}", prefill_time, ems, after_prefill,
-                                cfg.prefill_token_budget, cfg.prefill_max_requests)
+                                cfg.prefill_token_budget, cfg.prefill_max_requests, cfg.prefill_chunk_tokens)
                 for i in range(cfg.prefill_instances)]
     decodes.extend(DecodeInstance(env, f"decode{i}", decode_time, cfg.max_batch_per_device * cfg.decode_devices,
                                   cfg.mtp_drafts, cfg.mtp_acceptance, rng, request_done)
@@ -329,18 +384,24 @@ class CostModelTimes:
         self.page_gb_s = page_read_gb_s(hw, "ub", cfg.prefill_instances * cfg.prefill_devices)
 
     @lru_cache(maxsize=65536)
-    def _prefill(self, tokens_per_device: int, eq_len: int, hit_pct: int) -> float:
+    def _prefill(self, tokens_per_device: int, eq_len: int, hit_pct: int, in_hbm_pct: int = 0) -> float:
         pc = PrefillConfig(tokens_per_device=tokens_per_device, prompt_len=eq_len, devices=self.cfg.prefill_devices,
-                           ep=self.cfg.prefill_devices, cache_hit=hit_pct / 100, **self.prefill_overrides)
+                           ep=self.cfg.prefill_devices, cache_hit=(hit_pct + in_hbm_pct) / 100,
+                           prefix_in_hbm=in_hbm_pct > 0 and hit_pct == 0, **self.prefill_overrides)
         return prefill_batch(self.hw, self.model, pc).ttft_s
 
-    def prefill_time(self, batch: list[Request]) -> float:
-        tokens = sum(r.prompt_len for r in batch)
+    def prefill_time(self, batch: list) -> float:
+        """Requests, or Chunks of them: a chunk after `prefix_done` tokens is costed as a prompt of
+        done + chunk tokens whose first `done` are a prefix already in HBM."""
+        done = [getattr(r, "prefix_done", 0) for r in batch]
+        lens = [r.prompt_len + d for r, d in zip(batch, done)]
+        tokens = sum(lens)
         cached = sum(r.cached_tokens for r in batch)
-        sq = sum(r.prompt_len**2 for r in batch)
+        sq = sum(n**2 for n in lens)
         eq_len = max(1, round(sq / tokens / 64) * 64)  # token-weighted mean length: same attention work
         per_dev = max(1, round(tokens / self.cfg.prefill_devices / 64) * 64)
-        return self._prefill(per_dev, eq_len, min(99, round(100 * cached / tokens)))
+        return self._prefill(per_dev, eq_len, min(99, round(100 * cached / tokens)),
+                             min(99 - min(99, round(100 * cached / tokens)), round(100 * sum(done) / tokens)))
 
     @lru_cache(maxsize=65536)
     def _decode(self, batch_per_device: int, kv: int) -> float:

@@ -64,3 +64,26 @@ def test_clos_reproduces_cloudmatrix_switch_counts():
     assert (c.l1_switches, c.l2_switches, c.feasible) == (336, 112, True)
     assert c.port_utilisation == pytest.approx(1.0)
     assert not clos_cost(768 + 16).feasible
+
+
+def test_contiguous_blocks_are_the_default_and_cost_allocation():
+    """The paper's blocks are contiguous by default; relaxing contiguity can only allocate more."""
+    import inspect
+
+    assert inspect.signature(simulate_allocation).parameters["contiguous"].default is True
+    strict = simulate_allocation(224, 10.08, jobs=4000, window=1, seed=3).allocation_rate
+    relaxed = simulate_allocation(224, 10.08, jobs=4000, window=1, seed=3, contiguous=False).allocation_rate
+    assert strict < relaxed
+
+
+def test_context_cache_is_not_free():
+    """A 90 % hit pays a lookup per prompt (2 x 2 us UB latency + 10 us) and page reads, and the
+    new tokens' attention over the cached prefix remains."""
+    from matrixinfer.sim.hardware import load_hardware
+    from matrixinfer.sim.modelspec import load_model
+    from matrixinfer.sim.prefill import PrefillConfig, prefill_batch
+
+    r = prefill_batch(load_hardware("cloudmatrix384"), load_model("deepseek-r1"), PrefillConfig(cache_hit=0.9))
+    assert r.breakdown_s["lookup"] == pytest.approx(4 * 14e-6)  # 16,384 / 4,096 prompts per die
+    assert r.breakdown_s["kv_load"] > 0 and r.breakdown_s["prefix_attention_per_layer"] > 0
+    assert r.ttft_s == pytest.approx(r.batch_s + r.kv_load_s)

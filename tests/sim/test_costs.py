@@ -71,11 +71,75 @@ def test_all_to_all_time_hand_case():
 
 
 def test_decode_dispatch_bytes_on_ub():
-    """EP320 decode: 96 tokens x (8 routed + 1 shared) copies x 7,680 B x 319/320 leave each die."""
+    """EP320 decode: 96 tokens x (8 routed + 1 shared) copies x 7,680 B x 319/320 leave each die;
+    the payload term is 2 us latency + bytes / (196 GB/s x 0.9) + 319 flag writes x 0.05 us + handshake."""
     c = costs.ep_comm(CM, R1, 96, 320, "int8", extra_dests=1, plane="scale_up", dedup_ranks=False)
     expected = 96 * 9 * 7680 * 319 / 320
     assert c.dispatch_bytes == pytest.approx(expected)
-    assert c.dispatch_s == pytest.approx(2e-6 + expected / (196e9 * 0.9) + 319 * 0.05e-6)
+    wire = 2e-6 + expected / (196e9 * 0.9) + 319 * 0.05e-6
+    assert c.dispatch_terms["payload"] == pytest.approx(wire + CM.collective.handshake_us * 1e-6)
+    assert c.dispatch_s == pytest.approx(sum(c.dispatch_terms.values()))
+
+
+def _toy_hw(launch=1.0, handshake=10.0, rounds=1.0):
+    """1 TB/s HBM at efficiency 0.5 (2 us per MB), 100 GB/s plane at 0.9, 2 us latency, 0.1 us per peer."""
+    from dataclasses import replace
+
+    from matrixinfer.sim.hardware import CollectiveSpec
+
+    return replace(CM, device=replace(CM.device, hbm_tb_s=1.0),
+                   efficiency=replace(CM.efficiency, mla_memory=0.5, link=0.9),
+                   scale_up=PlaneSpec("p", 100.0, 2.0, 0.1, 0),
+                   collective=CollectiveSpec(launch, handshake, rounds))
+
+
+def test_dispatch_terms_hand_case():
+    """100 tokens of hidden 1,000, 4 copies each, INT8 on the wire (1,000 + 4 + 508 = 1,512 B):
+    quantize reads 200 KB and writes 151.2 KB (0.7024 us); metadata round 2 + 10 + 3 x 0.1 us;
+    reorder reads + writes 4 x 151.2 KB (1.2096 us); launch 1 us; payload = wire + 10 us."""
+    hw = _toy_hw()
+    t = costs.dispatch_terms(hw, hw.scale_up, 100, 4, 1000, "int8", wire_s=5e-6, peers=3)
+    assert t["launch"] == pytest.approx(1e-6)
+    assert t["quantize"] == pytest.approx((200_000 + 151_200) / 0.5e12)
+    assert t["metadata"] == pytest.approx(12.3e-6)
+    assert t["payload"] == pytest.approx(15e-6)
+    assert t["reorder"] == pytest.approx(2 * 4 * 151_200 / 0.5e12)
+
+
+def test_combine_has_no_quantize_or_metadata_round():
+    """BF16 combine of 100 tokens x 4 copies of hidden 1,000: launch 1 us, payload wire + 10 us,
+    reduce reads 800 KB and writes 200 KB (2 us)."""
+    t = costs.combine_terms(_toy_hw(), 100, 4, 1000, "bf16", wire_s=5e-6)
+    assert t == pytest.approx({"launch": 1e-6, "payload": 15e-6, "reduce": 2e-6})
+
+
+def test_no_metadata_round_when_counts_travel_with_data():
+    """metadata_rounds 0 (DeepEP low-latency) drops the metadata term."""
+    hw = _toy_hw(rounds=0.0)
+    assert costs.dispatch_terms(hw, hw.scale_up, 100, 4, 1000, "int8", 5e-6, 3)["metadata"] == 0
+
+
+def test_collective_fit_reproduces_the_measured_pair_and_the_file():
+    """The two fitted costs give dispatch 116 us and combine 118 us at EP8, 128 tokens, and
+    equal the values stored in cloudmatrix384.yaml (to the stored rounding)."""
+    from matrixinfer.sim.calibration import fit_collectives
+
+    f = fit_collectives(CM, R1)
+    assert (f.dispatch_us, f.combine_us) == pytest.approx((116.0, 118.0))
+    assert f.launch_us == pytest.approx(CM.collective.launch_us, abs=0.01)
+    assert f.handshake_us == pytest.approx(CM.collective.handshake_us, abs=0.01)
+
+
+def test_collective_fit_moves_with_its_targets():
+    """A slower measured dispatch (+1 us) raises the handshake by 1 us and lowers launch by 1 us."""
+    from dataclasses import replace
+
+    from matrixinfer.sim.calibration import fit_collectives
+
+    base = fit_collectives(CM, R1)
+    slow = fit_collectives(replace(CM, collective_calibration=replace(CM.collective_calibration, dispatch_us=117)), R1)
+    assert slow.handshake_us - base.handshake_us == pytest.approx(1.0)
+    assert slow.launch_us - base.launch_us == pytest.approx(-1.0)
 
 
 def test_eplb_uniform_is_balanced():
@@ -111,3 +175,15 @@ def test_mtp_tokens_per_step():
     assert mtp_tokens_per_step(2, 0.5) == pytest.approx(1.75)
     assert mtp_tokens_per_step(0, 0.9) == 1
     assert math.isclose(mtp_tokens_per_step(3, 1.0), 4)
+
+
+def test_sensitivity_covers_every_non_fact_constant():
+    """Every constant not sourced as a hardware fact (targets aside) gets a row; the calibration
+    TPOT moves with the GEMM efficiency and not with the RDMA latency (decode runs on UB)."""
+    from matrixinfer.sim.sensitivity import SKIP, sensitivity
+
+    rows = {r["constant"]: r for r in sensitivity()}
+    expected = {k for k, v in CM.sources.items() if not v.startswith("hardware fact") and not k.startswith(SKIP)}
+    assert set(rows) == expected
+    assert rows["efficiency.gemm.int8"]["decode_tpot_ms_minus"] > 0.01
+    assert rows["planes.scale_out.latency_us"]["decode_tpot_ms_plus"] == pytest.approx(0, abs=1e-9)

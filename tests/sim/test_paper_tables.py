@@ -97,6 +97,7 @@ def test_published_comparisons(capsys_module):
     ["simulate", "prefill", "--cache-hit", "0.5", "--compare-dp", "--json"],
     ["simulate", "dispatch", "--hardware", "h800", "--precision", "fp8", "--json"],
     ["simulate", "allocation", "--sizes", "224", "384", "--means", "8", "10.08", "--jobs", "500", "--json"],
+    ["simulate", "allocation", "--sizes", "224", "--means", "8", "--jobs", "500", "--relaxed", "--json"],
     ["simulate", "serve", "--requests", "50", "--rate", "5", "--json"],
     ["simulate", "calibrate", "--json"],
 ])

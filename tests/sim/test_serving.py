@@ -90,3 +90,34 @@ def test_trace_file(tmp_path):
     p.write_text("arrival,prompt_len,output_len\n1.0,x,3\n")
     with pytest.raises(ValueError, match="row 2"):
         load_trace(p)
+
+
+def test_chunked_prefill_splits_a_long_prompt_into_steps():
+    """Chunks of 100 tokens, 1 s per step: a 250-token prompt has its first token after 3 steps;
+    a 50-token prompt behind it rides in the third step's spare budget (TTFT 3 s, not 4)."""
+    cfg = ServingConfig(prefill_instances=1, decode_instances=1, prefill_chunk_tokens=100)
+    steps = []
+
+    def prefill(pieces):
+        steps.append([(c.req.rid, c.prompt_len, c.prefix_done) for c in pieces])
+        return 1.0
+
+    reqs = [Request(0, 0.0, 250, 1), Request(1, 0.0, 50, 1)]
+    simulate(reqs, cfg, prefill, lambda n, kv: 1.0)
+    assert steps == [[(0, 100, 0)], [(0, 100, 100)], [(0, 50, 200), (1, 50, 0)]]
+    assert (reqs[0].ttft, reqs[1].ttft) == (3.0, 3.0)
+
+
+def test_chunk_is_costed_with_its_prefix_in_hbm():
+    """A chunk after a prefilled prefix costs more than the same tokens alone (it attends over
+    the prefix) and less than the whole prompt."""
+    hw, model = load_hardware("cloudmatrix384"), load_model("deepseek-r1")
+    cfg = ServingConfig(prefill_instances=1, decode_instances=1)
+    t = CostModelTimes(hw, model, cfg)
+    from matrixinfer.sim.serving import Chunk
+
+    req = Request(0, 0.0, 65536 * 2, 1)
+    chunk = t.prefill_time([Chunk(req, 65536, 65536)])
+    alone = t.prefill_time([Request(1, 0.0, 65536, 1)])
+    whole = t.prefill_time([req])
+    assert alone < chunk < whole

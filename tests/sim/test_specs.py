@@ -90,3 +90,23 @@ def test_deepseek_v2_lite_config_without_q_lora():
     assert m.q_lora_rank == 0 and m.mtp_layers == 0
     assert m.total_params() / 1e9 == pytest.approx(15.7, abs=0.1)
     assert m.activated_params_per_token() / 1e9 == pytest.approx(2.4, abs=0.1)
+
+
+def test_every_constant_of_the_bundled_files_names_its_source():
+    """Each number in a bundled hardware YAML has a `sources:` entry of a known kind."""
+    from matrixinfer.sim.hardware import SOURCE_KINDS, numeric_fields
+
+    for path in HARDWARE_DIR.glob("*.yaml"):
+        raw = yaml.safe_load(path.read_text())
+        hw = load_hardware(path)
+        missing = set(numeric_fields(raw)) - set(hw.sources)
+        assert not missing, (path.name, sorted(missing))
+        assert all(v.startswith(SOURCE_KINDS) for v in hw.sources.values())
+
+
+def test_source_of_an_unknown_field_is_rejected():
+    """A typo in `sources:` names the field instead of silently documenting nothing."""
+    raw = _cm384_raw()
+    raw["sources"]["efficiency.overlapp"] = "fitted to x"
+    with pytest.raises(SpecError, match="overlapp"):
+        hardware_from_dict(raw, "x.yaml")
