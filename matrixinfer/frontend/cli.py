@@ -64,3 +64,9 @@ def register(sub, bench_sub) -> None:
     b.add_argument("--no-write", action="store_true", help="do not write benchmarks/")
     b.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     b.set_defaults(func=_bench_engine)
+
+    from matrixinfer.bench import executor_bench
+
+    e = bench_sub.add_parser("executor", help="in-process vs multi-process executors (TP=1, TP=2), same requests")
+    executor_bench.add_arguments(e)
+    e.set_defaults(func=executor_bench.main)
