@@ -45,6 +45,7 @@ class SchedulerOutput:
     num_decode: int
     finished_request_ids: list[str] = field(default_factory=list)
     kv_connector_metadata: object | None = None
+    return_hidden_states: bool = False  # speculative decoding (MTP) drafts from them
 
     @property
     def num_tokens(self) -> int:
@@ -57,6 +58,7 @@ class ModelRunnerOutput:
     sampled_token_ids: list[int]
     logprobs: list[Logprob | None] | None = None
     failed_kv_load_request_ids: set[str] = field(default_factory=set)  # their scheduled tokens did not run
+    hidden_states: object | None = None  # [sampling rows, hidden] final hidden states, when asked
 
 
 class Scheduler:

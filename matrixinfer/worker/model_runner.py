@@ -65,7 +65,7 @@ class ModelRunner:
             return ModelRunnerOutput([], [], failed_kv_load_request_ids=set(skip)) if driver else None
         num_decode = sum(1 for r in reqs[: sched.num_decode] if len(r.token_ids) == 1)
         sampling = [(i, r) for i, r in enumerate(reqs) if r.sample]
-        logits = self.forward(reqs, num_decode, [i for i, _ in sampling])
+        logits, hidden = self.forward(reqs, num_decode, [i for i, _ in sampling], with_hidden=True)
         if not driver:
             return None
         if not sampling:
@@ -87,16 +87,20 @@ class ModelRunner:
                     continue
                 top = dict(zip(top_ids[j][:k], top_vals[j][:k])) if k else {}
                 logprobs.append(Logprob(tokens[j], lps[j], top))
-        return ModelRunnerOutput([r.request_id for _, r in sampling], tokens, logprobs, set(skip))
+        return ModelRunnerOutput([r.request_id for _, r in sampling], tokens, logprobs, set(skip),
+                                 hidden.cpu() if sched.return_hidden_states else None)
 
     @torch.inference_mode()
-    def forward(self, reqs: list[ScheduledRequest], num_decode: int, logit_rows: list[int]) -> torch.Tensor:
-        """The model over one step's tokens; logits at the last token of reqs[i] for i in logit_rows."""
+    def forward(self, reqs: list[ScheduledRequest], num_decode: int, logit_rows: list[int], with_hidden: bool = False):
+        """The model over one step's tokens; logits at the last token of reqs[i] for i in
+        logit_rows (and, with_hidden, the final hidden states there too)."""
         ids, pos, ctx = self.prepare(reqs, num_decode)
         with forward_context(ctx):
             hidden = self.model(ids, pos)
         last = torch.tensor([len(r.token_ids) for r in reqs], device=self.device).cumsum(0) - 1
-        return self.model.compute_logits(hidden[last[logit_rows]])
+        hidden = hidden[last[logit_rows]]
+        logits = self.model.compute_logits(hidden)
+        return (logits, hidden) if with_hidden else logits
 
     def _generator(self, r: ScheduledRequest) -> torch.Generator | None:
         if r.params.seed is None:
