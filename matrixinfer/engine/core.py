@@ -34,15 +34,9 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, config.cache, self.kv, self.max_model_len, connector)
 
     def add_request(self, r: EngineCoreRequest) -> None:
+        """r was validated once, by the front end's Processor."""
         if r.request_id in self.scheduler.requests:
             raise ValueError(f"request id {r.request_id!r} is already in use")
-        if not r.prompt_token_ids:
-            raise ValueError("the prompt is empty")
-        if len(r.prompt_token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(r.prompt_token_ids)} tokens; this model's context is "
-                             f"{self.max_model_len} tokens and at least one must be left for the output")
-        if min(r.prompt_token_ids) < 0 or max(r.prompt_token_ids) >= self.vocab_size:
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
         self.scheduler.add_request(Request(r.request_id, r.prompt_token_ids, r.params, r.namespace,
                                            r.arrival_time, tuple(r.eos_token_ids)))
 
