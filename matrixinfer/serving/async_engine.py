@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+import torch
+
 from matrixinfer.engine.outputs import RequestOutput
 from matrixinfer.engine.sampling_params import SamplingParams
 from matrixinfer.engine.tokenizer import Tokenizer
@@ -151,7 +153,8 @@ class AsyncLLMEngine:
                 self._wake.clear()
                 continue
             try:
-                outputs = engine.step()
+                with torch.inference_mode():  # the sampler edits the runner's (inference) logits in place
+                    outputs = engine.step()
             except Exception as e:  # a broken step fails every request in flight, not the server
                 self._fail_all(e)
                 continue
