@@ -242,8 +242,11 @@ class TokenService:
                 meter.close()
                 raise APIError(500, f"generation failed: {e}", type="server_error") from e
         meter.close()
-        out = meter.last if keep is None else best_of(meter.last, params.n, keep)
-        return JSONResponse(fmt.response(out))
+        if keep is None:
+            return JSONResponse(fmt.response(meter.last))
+        body = fmt.response(best_of(meter.last, params.n, keep))
+        body["usage"] = usage(meter.last)  # what was metered: every generated choice
+        return JSONResponse(body)
 
     async def _events(self, stream, meter: "_Meter", fmt: Formatter, params: SamplingParams, n_choices: int,
                       include_usage: bool):
