@@ -128,5 +128,7 @@ def register(sub, bench_sub) -> None:
 
     b = bench_sub.add_parser("ems", help="EMS vs Redis put/get; model cache vs direct loading")
     b.add_argument("--quick", action="store_true", help="smaller sweep (smoke test)")
-    b.add_argument("--out", default="ems", help="benchmarks/<out>.json")
+    b.add_argument("--name", default="ems", help="<out dir>/<name>.json (only 'ems' updates BENCHMARKS.md)")
+    b.add_argument("--huge-pages", action="store_true", help="measure the same-host get path with the arena on huge "
+                   "pages and without, instead")
     b.set_defaults(func=_bench)

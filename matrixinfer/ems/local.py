@@ -37,6 +37,7 @@ class LocalCluster:
     fsync: str = "always"
     heartbeat_timeout_s: float = 1.5
     heartbeat_s: float = 0.2
+    huge_pages: str = "auto"
     servers: list[Proc] = field(default_factory=list)
     ctl: Proc | None = None
     tag: str = field(default_factory=lambda: uuid.uuid4().hex[:8])  # unique server ids per pool
@@ -93,7 +94,8 @@ class LocalCluster:
 
     def server_args(self, i: int) -> list[str]:
         return ["server", "--controller", self.controller, "--ssd-dir", os.path.join(self.root, f"mp{i}"),
-                "--dram-bytes", str(self.dram_bytes), "--fsync", self.fsync, "--heartbeat", str(self.heartbeat_s), "--id", f"mp{i}-{self.tag}"]
+                "--dram-bytes", str(self.dram_bytes), "--fsync", self.fsync, "--heartbeat", str(self.heartbeat_s), "--id", f"mp{i}-{self.tag}",
+                "--huge-pages", self.huge_pages]
 
     def add_server(self, wait: bool = True) -> int:
         i = len(self.servers)
