@@ -1,4 +1,6 @@
-"""matrixinfer: CloudMatrix-Infer (serving for DeepSeek-style MoE models) in Python."""
+"""matrixinfer: CloudMatrix-Infer for DeepSeek-style MoE models in Python: a serving instance,
+the Elastic Memory Service, an OpenAI-compatible token service and a CloudMatrix384 simulator
+(the disaggregated prefill/decode stack of the paper is not built yet; see README)."""
 
 __version__ = "0.1.0"
 

@@ -23,15 +23,23 @@ SUBSYSTEMS = [
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="matrixinfer", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    bench = sub.add_parser("bench", help="benchmarks; results go to benchmarks/")
+    bench = sub.add_parser("bench", help="benchmarks; results go to --out (./bench-results/) or, with --save, benchmarks/")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     for name in SUBSYSTEMS:
         importlib.import_module(name).register(sub, bench_sub)
+    from matrixinfer.bench.report import add_output_args
+
+    for bench_parser in bench_sub.choices.values():  # every benchmark: --out DIR / --save
+        add_output_args(bench_parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        from matrixinfer.bench.report import configure
+
+        configure(args.out, args.save)
     try:
         return int(args.func(args) or 0)
     except (FileNotFoundError, ValueError) as e:  # bad input: a clear message, not a traceback

@@ -1,7 +1,9 @@
-"""Where benchmark results go: benchmarks/<name>.json, a plot, and a section of BENCHMARKS.md.
+"""Where benchmark results go: <dir>/<name>.json, a plot, and a section of <dir>/BENCHMARKS.md.
 
-Each benchmark owns one section of benchmarks/BENCHMARKS.md, delimited by HTML comments,
-so several benchmarks can rewrite their own tables without touching each other's.
+<dir> is `--out` (default ./bench-results/, git-ignored), so running a benchmark never dirties
+a checkout; `--save` writes to benchmarks/ instead, the results tracked in the repository.
+Each benchmark owns one section of BENCHMARKS.md, delimited by HTML comments, so several
+benchmarks can rewrite their own tables without touching each other's.
 """
 
 from __future__ import annotations
@@ -10,7 +12,21 @@ import json
 import re
 from pathlib import Path
 
-BENCH_DIR = Path("benchmarks")
+SAVED_DIR = Path("benchmarks")  # tracked results, written only with --save
+DEFAULT_OUT = Path("bench-results")
+BENCH_DIR = DEFAULT_OUT
+
+
+def configure(out: str | Path | None = None, save: bool = False) -> Path:
+    """Set where every benchmark of this process writes (from `matrixinfer bench ... --out/--save`)."""
+    global BENCH_DIR
+    BENCH_DIR = SAVED_DIR if save else Path(out or DEFAULT_OUT)
+    return BENCH_DIR
+
+
+def add_output_args(parser) -> None:
+    parser.add_argument("--out", default=str(DEFAULT_OUT), help="results directory (default %(default)s)")
+    parser.add_argument("--save", action="store_true", help="write to benchmarks/ (the tracked results) instead")
 
 
 def bench_dir() -> Path:

@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import bisect
 import fcntl
+import glob
 import mmap
 import os
 import struct
+import time
+
+from . import placement
 
 # Pre-fault the mapping: the arena is allocated up front (as the paper's pinned DRAM pool),
 # and a reader's first touch of each 4 KiB page would otherwise cost a page fault per get.
@@ -31,11 +35,19 @@ def round_up(n: int, a: int = ALIGN) -> int:
     return (n + a - 1) // a * a
 
 
-def create_mapping(path: str, size: int) -> tuple[int, mmap.mmap]:
-    """A new shared file of `size` bytes, mapped read/write and pre-faulted; (fd, mapping)."""
+def create_mapping(path: str, size: int, lock: bool = False, populate: bool = True) -> tuple[int, mmap.mmap]:
+    """A new shared file of `size` bytes, mapped read/write and (by default) pre-faulted;
+    (fd, mapping). With `lock` the file is flocked before it has a size, so a reaper never
+    takes a live arena for a dead one (see `reap_dead_arenas`)."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.ftruncate(fd, size)
-    return fd, mmap.mmap(fd, size, flags=mmap.MAP_SHARED | POPULATE)
+    try:
+        if lock:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        os.ftruncate(fd, size)
+        return fd, mmap.mmap(fd, size, flags=mmap.MAP_SHARED | (POPULATE if populate else 0))
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def open_mapping(path: str) -> tuple[int, mmap.mmap]:
@@ -140,23 +152,93 @@ class Allocator:
         }
 
 
-class Arena:
-    """Shared-memory arena: blocks of (header, value) handed out by an `Allocator`."""
+ARENA_GLOB = "mi-ems-*"
+CREATING_GRACE_S = 60.0  # an unlocked arena younger than this whose pid lives may be being created
 
-    def __init__(self, nbytes: int, path: str | None = None):
-        self.path = path
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _owner_dead(path: str) -> bool:
+    """A live MP server holds an exclusive flock on its arena for its whole life."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False  # locked: its server lives
+    finally:
+        os.close(fd)  # also drops our lock
+    try:
+        pid = int(path.rsplit("-", 1)[1])
+        young = time.time() - os.stat(path).st_mtime < CREATING_GRACE_S
+    except (ValueError, IndexError, OSError):
+        return True
+    return not (young and _pid_alive(pid))  # the instant between its creation and its flock
+
+
+def reap_dead_arenas(*dirs: str) -> list[str]:
+    """Unlink the arenas (and location indexes) of MP servers that are gone, whatever their
+    id: they are RAM until reboot. Run by every starting server and by the controller, over
+    /dev/shm and any hugetlbfs mount (an arena may live there, its index in /dev/shm)."""
+    dirs = list(dict.fromkeys([*dirs, *placement.hugetlbfs_mounts()]))
+    found = [p for d in dirs for p in glob.glob(os.path.join(d, ARENA_GLOB))]
+    arenas = [p for p in found if not p.endswith(".idx")]
+    dead = [p for p in arenas if _owner_dead(p)]
+    live = {os.path.basename(p) for p in arenas if p not in dead}
+    doomed = dead + [p for p in found if p.endswith(".idx") and os.path.basename(p)[:-4] not in live]
+    removed = []
+    for p in doomed:
+        try:
+            os.unlink(p)
+            removed.append(p)
+        except OSError:
+            pass  # gone already, or another user's
+    return removed
+
+
+class Arena:
+    """Shared-memory arena: blocks of (header, value) handed out by an `Allocator`.
+
+    `huge_pages`: "auto" (hugetlbfs if mounted with room, else THP advice on the mapping),
+    "off", or "on" (like auto, but fail if no page of the arena ends up huge). `numa_node`:
+    "auto" (this CPU's node where there are several), "off", or a node number."""
+
+    def __init__(self, nbytes: int, path: str | None = None, huge_pages: str = "auto", numa_node="auto"):
         self.size = round_up(nbytes)
         self.lock_fd = None
+        self.placement = {"huge_pages_advised": False, "numa_node": None, "hugetlbfs": False}
         if path:
-            fd, self.mm = create_mapping(path, self.size)
+            tlb = placement.hugetlbfs_dir(self.size) if huge_pages != "off" else None
+            if tlb is not None:
+                path = os.path.join(tlb[0], os.path.basename(path))
+                self.size = round_up(self.size, tlb[1])
             # Held for the life of the process (the kernel drops it when we die, even on
-            # kill -9): same-host readers test it to stop reading a dead server's memory.
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            self.lock_fd = fd
+            # kill -9): same-host readers and reapers test it to tell a dead server's memory.
+            self.lock_fd, self.mm = create_mapping(path, self.size, lock=True, populate=False)
+            self.placement.update(placement.place(self.mm, huge_pages, placement.choose_node(numa_node)),
+                                  hugetlbfs=tlb is not None)
         else:
             self.mm = mmap.mmap(-1, self.size)
+        self.path = path
         self.buf = memoryview(self.mm)
         self.alloc = Allocator(self.size)
+        if huge_pages == "on" and self.huge_page_bytes() == 0:
+            self.close()
+            raise OSError("--huge-pages on: no page of the arena is a huge page here (no hugetlbfs mount with free "
+                          "pages, and transparent_hugepage/shmem_enabled is 'never'); use --huge-pages auto")
+
+    def huge_page_bytes(self) -> int:
+        return placement.huge_page_bytes(self.path) if self.path else 0
 
     def allocate(self, value_len: int) -> int | None:
         return self.alloc.alloc(HEADER_BYTES + value_len)

@@ -6,7 +6,9 @@
 2. Model cache: N = 1, 2, 4 instances load one checkpoint at once from a bandwidth-capped
    source, directly vs through EMS: time, bytes read from the source, DRAM used.
 
-Results: benchmarks/ems.json, benchmarks/ems.png, section "ems" of benchmarks/BENCHMARKS.md.
+Results: <out>/ems.json, <out>/ems.png, section "ems" of <out>/BENCHMARKS.md (see
+bench/report.py: --out, --save). `--huge-pages` instead measures the same-host get path with
+the arena on huge pages and without (hugepages_bench.py).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from matrixinfer.bench.report import markdown_table, save_json, write_section
+from matrixinfer.bench.report import bench_dir, markdown_table, save_json, write_section
 
 from .client import EMSClient
 from .local import LocalCluster
@@ -298,6 +300,10 @@ def _markdown(kv: list[dict], mc: list[dict], cfg: dict, out: str) -> str:
 
 
 def run_bench(args) -> int:
+    if args.huge_pages:
+        from .hugepages_bench import run_hugepages_bench
+
+        return run_hugepages_bench(args)
     quick = args.quick
     sizes = SIZES if not quick else [64 << 10, 1 << 20]
     servers = [1, 2, 4] if not quick else [1, 2]
@@ -321,11 +327,11 @@ def run_bench(args) -> int:
     data = {"kv": kv, "model_cache": mc, "ratios_vs_redis": ratios, "config": {"sizes": sizes, "servers": servers, "bytes_per_cfg": total,
             "batch": BATCH, "rounds": rounds, "model_bytes": model_bytes, "source_MBps": mbps, "cpus": os.cpu_count(), "quick": quick,
             "seconds": time.time() - t0}}
-    save_json(args.out, data)
-    png = f"benchmarks/{args.out}.png"
+    save_json(args.name, data)
+    png = str(bench_dir() / f"{args.name}.png")
     _plot(kv, mc, png)
-    md = _markdown(kv, mc, data["config"], args.out)
-    if args.out == "ems":  # --out elsewhere (e.g. a quick smoke run) leaves BENCHMARKS.md alone
+    md = _markdown(kv, mc, data["config"], args.name)
+    if args.name == "ems":  # another --name (e.g. a quick smoke run) leaves BENCHMARKS.md alone
         write_section("ems", md)
     print(md)
     return 0

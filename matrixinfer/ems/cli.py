@@ -11,9 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+from pathlib import Path
 
 from .config import ControllerConfig, ServerConfig
+
+# Beside the token service's database (matrixinfer.serving.db), without importing it.
+DEFAULT_CONTROLLER_DB = Path(os.environ.get("MATRIXINFER_HOME", Path.home() / ".matrixinfer")) / "ems-controller.db"
 
 
 def parse_bytes(text: str) -> int:
@@ -27,14 +32,16 @@ def parse_bytes(text: str) -> int:
 def _controller(args) -> int:
     from .controller import run_controller
 
-    return run_controller(ControllerConfig(host=args.host, port=args.port, heartbeat_timeout_s=args.heartbeat_timeout, vnodes=args.vnodes))
+    return run_controller(ControllerConfig(host=args.host, port=args.port, heartbeat_timeout_s=args.heartbeat_timeout,
+                                           vnodes=args.vnodes, db=args.db or None))
 
 
 def _server(args) -> int:
     from .server import run_server
 
     cfg = ServerConfig(controller=args.controller, host=args.host, port=args.port, dram_bytes=args.dram_bytes,
-                       ssd_dir=args.ssd_dir, server_id=args.id, fsync=args.fsync, heartbeat_s=args.heartbeat)
+                       ssd_dir=args.ssd_dir, server_id=args.id, fsync=args.fsync, heartbeat_s=args.heartbeat,
+                       huge_pages=args.huge_pages, numa_node=args.numa_node, drain_timeout_s=args.drain_timeout)
     return run_server(cfg)
 
 
@@ -77,6 +84,9 @@ def register(sub, bench_sub) -> None:
     p.add_argument("--port", type=int, default=7900)
     p.add_argument("--heartbeat-timeout", type=float, default=3.0, help="seconds before a silent server is dropped")
     p.add_argument("--vnodes", type=int, default=160, help="virtual nodes per server on the ring")
+    p.add_argument("--db", default=str(DEFAULT_CONTROLLER_DB),
+                   help="SQLite file keeping namespaces, quotas and members across restarts "
+                        "(default %(default)s; '' keeps nothing)")
     p.set_defaults(func=_controller)
 
     p = ems_sub.add_parser("server", help="one MP server: DRAM arena over an SSD log")
@@ -88,6 +98,12 @@ def register(sub, bench_sub) -> None:
     p.add_argument("--id", default=None, help="server id (default: derived from --ssd-dir)")
     p.add_argument("--fsync", choices=["always", "never"], default="always", help="always: acknowledge puts only after fsync")
     p.add_argument("--heartbeat", type=float, default=0.5)
+    p.add_argument("--huge-pages", choices=["auto", "on", "off"], default="auto",
+                   help="arena on huge pages: hugetlbfs if mounted with room, else transparent huge pages where "
+                        "shmem_enabled allows (auto falls back to 4 KiB pages; on fails instead)")
+    p.add_argument("--numa-node", default="auto", help="auto: the node of the CPU the server starts on, where "
+                   "there are several; off; or a node number")
+    p.add_argument("--drain-timeout", type=float, default=10.0, help="on SIGTERM, seconds for requests in flight")
     p.set_defaults(func=_server)
 
     p = ems_sub.add_parser("model-load", help="load a checkpoint through the EMS model cache")
@@ -112,5 +128,7 @@ def register(sub, bench_sub) -> None:
 
     b = bench_sub.add_parser("ems", help="EMS vs Redis put/get; model cache vs direct loading")
     b.add_argument("--quick", action="store_true", help="smaller sweep (smoke test)")
-    b.add_argument("--out", default="ems", help="benchmarks/<out>.json")
+    b.add_argument("--name", default="ems", help="<out dir>/<name>.json (only 'ems' updates BENCHMARKS.md)")
+    b.add_argument("--huge-pages", action="store_true", help="measure the same-host get path with the arena on huge "
+                   "pages and without, instead")
     b.set_defaults(func=_bench)

@@ -11,6 +11,8 @@ class ControllerConfig:
     port: int = 0
     heartbeat_timeout_s: float = 3.0  # a server silent this long is dropped from the ring
     vnodes: int = 160  # virtual nodes per server on the hash ring
+    db: str | None = None  # SQLite file of namespaces, quotas and members (None: not persisted)
+    shm_dir: str = "/dev/shm"  # where dead MP servers' arenas are reaped at start
 
 
 @dataclass
@@ -25,6 +27,9 @@ class ServerConfig:
     segment_bytes: int = 64 << 20
     heartbeat_s: float = 0.5
     shm_dir: str = "/dev/shm"
+    huge_pages: str = "auto"  # auto | on | off: the arena on huge pages where the machine allows
+    numa_node: str = "auto"  # auto (this CPU's node if there are several) | off | a node number
+    drain_timeout_s: float = 10.0  # on SIGTERM: how long requests in flight may take to finish
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 MP servers register and heartbeat; a server silent for `heartbeat_timeout_s` is dropped and
 the view version bumps. Clients pull the view (servers + vnodes) and build the same ring
-locally, so data never passes through here.
+locally, so data never passes through here. Namespaces, quotas, members and versions are
+kept in SQLite (`state.py`) and restored on start.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ import threading
 import time
 
 from .config import ControllerConfig
+from .arena import reap_dead_arenas
 from .protocol import EMSError, RPCServer, drain, serve_until_signal
+from .state import ControllerState
 
 NS_LIMIT = 1 << 62
 
@@ -20,11 +23,16 @@ class Controller:
     def __init__(self, cfg: ControllerConfig):
         self.cfg = cfg
         self.lock = threading.Lock()
-        self.members: dict[str, dict] = {}
-        self.last_seen: dict[str, float] = {}
-        self.version = 0
-        self.namespaces: dict[str, dict] = {"default": {"dram_bytes": NS_LIMIT, "ssd_bytes": NS_LIMIT}}
-        self.ns_version = 0
+        self.state = ControllerState(cfg.db)
+        namespaces, self.members, version, self.ns_version = self.state.load()
+        self.namespaces = {"default": {"dram_bytes": NS_LIMIT, "ssd_bytes": NS_LIMIT, "explicit": False}, **namespaces}
+        # Restored members count as alive until they miss the heartbeat timeout, so the ring
+        # does not empty while they notice the restart; the bump means no view number is
+        # ever served twice with different contents.
+        self.last_seen = dict.fromkeys(self.members, time.monotonic())
+        self.version = version + 1
+        self.state.save_members(self.members, self.version)
+        reap_dead_arenas(cfg.shm_dir)
         self.rpc = RPCServer(cfg.host, cfg.port, self.handle)
         self._stop = threading.Event()
 
@@ -51,8 +59,17 @@ class Controller:
         if self.members.get(sid) != member:
             self.members[sid] = member
             self.version += 1
+            self.state.save_members(self.members, self.version)
         self.last_seen[sid] = time.monotonic()
         return {"ok": True, "known": True, "version": self.version, **self._ns_reply(-1)}
+
+    def op_leave(self, h):
+        """A server shutting down cleanly: drop it now rather than after the heartbeat timeout."""
+        if self.members.pop(h.get("id"), None) is not None:
+            self.last_seen.pop(h.get("id"), None)
+            self.version += 1
+            self.state.save_members(self.members, self.version)
+        return {"ok": True}
 
     def op_heartbeat(self, h):
         sid = h.get("id")
@@ -65,20 +82,25 @@ class Controller:
         return {"ok": True, "version": self.version, "vnodes": self.cfg.vnodes, "servers": sorted(self.members.values(), key=lambda m: m["id"])}
 
     def op_ns_create(self, h):
+        """Create or redefine a namespace. Without quotas (a client's implicit creation on
+        first use) it is created unlimited and *implicit*; a later creation with quotas
+        applies them even with `if_absent`, so the order of the two does not matter."""
         name = h.get("name")
         if not isinstance(name, str) or not name or len(name) > 255:
             raise EMSError("namespace name must be a non-empty string of at most 255 characters")
-        quota = {}
+        quota = {"explicit": h.get("dram_bytes") is not None or h.get("ssd_bytes") is not None}
         for k in ("dram_bytes", "ssd_bytes"):
             v = h.get(k)
             v = NS_LIMIT if v is None else v
-            if not isinstance(v, int) or v <= 0:
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise EMSError(f"{k} must be a positive integer")
             quota[k] = v
-        if h.get("if_absent") and name in self.namespaces:
+        cur = self.namespaces.get(name)
+        if h.get("if_absent") and cur is not None and (cur.get("explicit", True) or not quota["explicit"]):
             return {"ok": True, "created": False, "ns_version": self.ns_version}
         self.namespaces[name] = quota
         self.ns_version += 1
+        self.state.save_namespace(name, quota, self.ns_version)
         return {"ok": True, "created": True, "ns_version": self.ns_version}
 
     def op_ns_list(self, h):
@@ -95,6 +117,7 @@ class Controller:
                     self.last_seen.pop(s, None)
                 if dead:
                     self.version += 1
+                    self.state.save_members(self.members, self.version)
 
     def serve(self) -> None:
         threading.Thread(target=self.reap_loop, daemon=True).start()
@@ -102,10 +125,14 @@ class Controller:
         self.rpc.serve_forever()
 
     def close(self) -> None:
+        if self._stop.is_set():
+            return
         self._stop.set()
         self.rpc.close()
+        with self.lock:
+            self.state.close()
 
 
 def run_controller(cfg: ControllerConfig) -> int:
     ctl = Controller(cfg)
-    return serve_until_signal(ctl.serve, ctl.close)
+    return serve_until_signal(ctl.serve, ctl.rpc.stop, ctl.close)

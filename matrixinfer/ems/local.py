@@ -37,6 +37,7 @@ class LocalCluster:
     fsync: str = "always"
     heartbeat_timeout_s: float = 1.5
     heartbeat_s: float = 0.2
+    huge_pages: str = "auto"
     servers: list[Proc] = field(default_factory=list)
     ctl: Proc | None = None
     tag: str = field(default_factory=lambda: uuid.uuid4().hex[:8])  # unique server ids per pool
@@ -74,14 +75,27 @@ class LocalCluster:
 
     def start(self) -> None:
         os.makedirs(self.root, exist_ok=True)
-        self.ctl = self._spawn(["controller", "--port", "0", "--heartbeat-timeout", str(self.heartbeat_timeout_s)], "controller.log")
+        self.start_controller()
         for _ in range(self.n_servers):
             self.add_server(wait=False)
         self.wait_members(self.n_servers)
 
+    def start_controller(self, port: int = 0) -> None:
+        """Its state is kept in root/controller.db: a restart (same port) restores it."""
+        self.ctl = self._spawn(["controller", "--port", str(port), "--heartbeat-timeout", str(self.heartbeat_timeout_s),
+                                "--db", os.path.join(self.root, "controller.db")], "controller.log")
+
+    def restart_controller(self, sig: int = signal.SIGKILL) -> None:
+        """Kill the controller and start it again on the same address (servers re-find it)."""
+        self.ctl.popen.send_signal(sig)
+        self.ctl.popen.wait(10)
+        self.ctl.popen.stdout.close()
+        self.start_controller(int(self.controller.rsplit(":", 1)[1]))
+
     def server_args(self, i: int) -> list[str]:
         return ["server", "--controller", self.controller, "--ssd-dir", os.path.join(self.root, f"mp{i}"),
-                "--dram-bytes", str(self.dram_bytes), "--fsync", self.fsync, "--heartbeat", str(self.heartbeat_s), "--id", f"mp{i}-{self.tag}"]
+                "--dram-bytes", str(self.dram_bytes), "--fsync", self.fsync, "--heartbeat", str(self.heartbeat_s), "--id", f"mp{i}-{self.tag}",
+                "--huge-pages", self.huge_pages]
 
     def add_server(self, wait: bool = True) -> int:
         i = len(self.servers)

@@ -15,6 +15,7 @@ import signal
 import socket
 import struct
 import threading
+import time
 from typing import Callable, Iterable
 
 PREFIX = struct.Struct("!IQ")
@@ -159,6 +160,9 @@ class RPCServer:
         self.sock = socket.create_server((host, port), reuse_port=False, backlog=256)
         self.host, self.port = self.sock.getsockname()[:2]
         self._stop = threading.Event()
+        self._busy = threading.Condition()
+        self._active = 0  # requests being handled (idle connections are not counted)
+        self.closed = False
 
     def serve_forever(self) -> None:
         while not self._stop.is_set():
@@ -176,34 +180,59 @@ class RPCServer:
                     header, plen = recv_header(conn)
                 except (ConnectionError, OSError, ProtocolError):
                     return
-                done = None
+                with self._busy:
+                    if self._stop.is_set():
+                        return  # draining: no new requests; the client sees a gone server (a miss)
+                    self._active += 1
                 try:
-                    reply, bufs, *rest = self.handler(header, plen, conn)
-                    done = rest[0] if rest else None
-                except EMSError as e:
-                    reply, bufs = {"ok": False, "error": str(e)}, []
-                except (ConnectionError, OSError):
-                    return
-                try:
-                    send_frame(conn, reply, bufs)
+                    self._serve_one(conn, header, plen)
                 except OSError:
                     return
                 finally:
-                    if done:
-                        done()
+                    with self._busy:
+                        self._active -= 1
+                        self._busy.notify_all()
 
-    def close(self) -> None:
+    def _serve_one(self, conn: socket.socket, header: dict, plen: int) -> None:
+        done = None
+        try:
+            reply, bufs, *rest = self.handler(header, plen, conn)
+            done = rest[0] if rest else None
+        except EMSError as e:
+            reply, bufs = {"ok": False, "error": str(e)}, []
+        try:
+            send_frame(conn, reply, bufs)
+        finally:
+            if done:
+                done()
+
+    def stop(self) -> None:
+        """Stop accepting connections and requests; requests being handled go on."""
         self._stop.set()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes an accept() blocked in another thread
+        except OSError:
+            pass
         try:
             self.sock.close()
         except OSError:
             pass
 
+    def close(self, drain_s: float = 0.0) -> None:
+        """stop(), then wait up to `drain_s` for the requests being handled to finish."""
+        self.closed = True
+        self.stop()
+        deadline = time.monotonic() + drain_s
+        with self._busy:
+            while self._active and (left := deadline - time.monotonic()) > 0:
+                self._busy.wait(left)
 
-def serve_until_signal(serve: Callable[[], None], close: Callable[[], None]) -> int:
-    """Run a role's accept loop; SIGTERM/SIGINT close it cleanly (arena unlinked, log synced)."""
-    signal.signal(signal.SIGTERM, lambda *_: close())
-    signal.signal(signal.SIGINT, lambda *_: close())
+
+def serve_until_signal(serve: Callable[[], None], stop: Callable[[], None], close: Callable[[], None]) -> int:
+    """Run a role's accept loop; SIGTERM/SIGINT stop it (no new requests), then `close` lets
+    the requests in flight finish and shuts down cleanly (log synced, arena unlinked): exit 0."""
+    signal.signal(signal.SIGTERM, lambda *_: stop())
+    signal.signal(signal.SIGINT, lambda *_: stop())
     try:
         serve()
     finally:

@@ -6,15 +6,15 @@ clients directly: the controller never sees data.
 
 from __future__ import annotations
 
-import glob
 import hashlib
+import json
 import os
 import socket
 import sys
 import threading
 import time
 
-from .arena import Arena
+from .arena import Arena, reap_dead_arenas
 from .config import ServerConfig
 from .protocol import EMSError, RPCServer, call_once, drain, recv_exact_into, serve_until_signal, wire_key
 from .shard import Quota, Shard
@@ -40,16 +40,6 @@ def server_id_for(cfg: ServerConfig) -> str:
     return sid
 
 
-def _pid_alive(pid: str) -> bool:
-    try:
-        os.kill(int(pid), 0)
-    except (ValueError, ProcessLookupError):
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _ns(header: dict) -> str:
     ns = header.get("ns")
     if not isinstance(ns, str) or not ns or len(ns) > 255:
@@ -69,16 +59,18 @@ class MPServer:
         self.cfg = cfg
         os.makedirs(cfg.ssd_dir, exist_ok=True)
         self.id = server_id_for(cfg)
-        for stale in glob.glob(os.path.join(cfg.shm_dir, f"mi-ems-{self.id}-*")):
-            if not _pid_alive(stale.rsplit("-", 1)[1].split(".")[0]):
-                os.unlink(stale)  # left by a killed predecessor with our id
-        self.shm_path = os.path.join(cfg.shm_dir, f"mi-ems-{self.id}-{os.getpid()}")
-        self.arena = Arena(cfg.dram_bytes, self.shm_path)
-        self.shm_index = ShmIndex(self.shm_path + ".idx", slots_for(cfg.dram_bytes))
+        reap_dead_arenas(cfg.shm_dir)  # ours from a killed run, and any other dead server's
+        name = f"mi-ems-{self.id}-{os.getpid()}"
+        self.arena = Arena(cfg.dram_bytes, os.path.join(cfg.shm_dir, name), cfg.huge_pages, cfg.numa_node)
+        self.shm_path = self.arena.path  # in a hugetlbfs mount when one has room
+        self.shm_index = ShmIndex(os.path.join(cfg.shm_dir, name + ".idx"), slots_for(cfg.dram_bytes))
         self.shard = Shard(self.arena, SegmentLog(cfg.ssd_dir, cfg.segment_bytes, cfg.fsync), self.shm_index)
         self.rpc = RPCServer(cfg.host, cfg.port, self.handle)
         self.n_servers = 1
         self.ns_version = -1
+        self.quota_path = os.path.join(cfg.ssd_dir, "QUOTAS.json")
+        self._ns_lock = threading.Lock()
+        self._load_quotas()
         self._ns_asked: dict[str, float] = {}
         self._stop = threading.Event()
 
@@ -190,18 +182,47 @@ class MPServer:
         return {"ok": True, "id": self.id, "shm": self.shm_path, "boot_id": boot_id(), "pid": os.getpid()}, []
 
     def op_stats(self, h, plen, sock):
-        return {"ok": True, "id": self.id, **self.shard.stats()}, []
+        st = self.shard.stats()
+        st["arena"].update(self.arena.placement, huge_page_bytes=self.arena.huge_page_bytes())
+        return {"ok": True, "id": self.id, "n_servers": self.n_servers, **st}, []
 
     # -- membership ------------------------------------------------------------------------------
     def _member(self) -> dict:
         return {"id": self.id, "host": self.cfg.host, "port": self.rpc.port, "shm": self.shm_path, "idx": self.shm_index.path, "boot_id": boot_id()}
 
     def _apply(self, reply: dict) -> None:
-        self.n_servers = max(1, int(reply.get("n_servers", 1)))
-        if "namespaces" in reply:
-            self.ns_version = reply["ns_version"]
-            q = {name: Quota(v["dram_bytes"] // self.n_servers, v["ssd_bytes"] // self.n_servers) for name, v in reply["namespaces"].items()}
-            self.shard.set_quotas(q)
+        n_servers = max(1, int(reply.get("n_servers", 1)))
+        with self._ns_lock:  # against _fetch_namespace: a namespace learnt there is never dropped here
+            if "namespaces" not in reply and n_servers == self.n_servers:
+                return
+            if "namespaces" in reply:
+                self.ns_version, self.namespaces = reply["ns_version"], {**self.namespaces, **reply["namespaces"]}
+            self._set_namespaces(n_servers)
+            self.n_servers = n_servers  # after: stats report a count only once its shares hold
+            self._save_quotas()
+
+    def _set_namespaces(self, n_servers: int) -> None:
+        """Each server enforces quota / number of servers (see docs/ems.md, quotas); a share
+        that shrank (a server joined, a quota was lowered) is enforced at once."""
+        self.shard.set_quotas({name: Quota(v["dram_bytes"] // n_servers, v["ssd_bytes"] // n_servers)
+                               for name, v in self.namespaces.items()})
+
+    def _save_quotas(self) -> None:
+        """The last quotas heard, kept beside the SSD log: a server restarted while the
+        controller is away enforces them (not unlimited) until it hears again."""
+        tmp = self.quota_path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"n_servers": self.n_servers, "namespaces": self.namespaces}, f)
+        os.replace(tmp, self.quota_path)
+
+    def _load_quotas(self) -> None:
+        try:
+            with open(self.quota_path) as f:
+                saved = json.load(f)
+            self.n_servers, self.namespaces = max(1, int(saved["n_servers"])), dict(saved["namespaces"])
+            self._set_namespaces(self.n_servers)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            self.namespaces = {}  # none yet (or unreadable): learn them from the controller
 
     def _fetch_namespace(self, ns: str) -> None:
         """Ask the controller about a namespace we have not heard of (at most once a second)."""
@@ -215,7 +236,9 @@ class MPServer:
             return
         v = reply["namespaces"].get(ns)
         if v is not None:
-            self.shard.set_quota(ns, Quota(v["dram_bytes"] // self.n_servers, v["ssd_bytes"] // self.n_servers))
+            with self._ns_lock:
+                self.namespaces = {**self.namespaces, ns: v}
+                self._set_namespaces(self.n_servers)
 
     def heartbeat_loop(self) -> None:
         registered = False
@@ -226,10 +249,7 @@ class MPServer:
                     op = {"op": "register", **self._member()}
                 reply = call_once(self.cfg.controller, op, timeout_s=2.0)
                 registered = reply.get("known", True)
-                n_before = self.n_servers
                 self._apply(reply)
-                if self.n_servers != n_before:
-                    self.ns_version = -1  # shares changed: ask for the namespaces again
             except (OSError, EMSError):
                 registered = False  # controller down or restarted: register again when it is back
             self._stop.wait(self.cfg.heartbeat_s)
@@ -247,11 +267,21 @@ class MPServer:
         print(f"READY {self.cfg.host}:{self.rpc.port} id={self.id} recovered={self.shard.ssd.recovered}", flush=True)
         self.rpc.serve_forever()
 
+    def stop(self) -> None:
+        """SIGTERM: stop taking connections and requests (clients see misses, as for a dead
+        server); `close` then lets the requests in flight finish and flushes."""
+        self._stop.set()
+        self.rpc.stop()
+
     def close(self) -> None:
-        if self._stop.is_set():
+        if self.rpc.closed:
             return  # closed already (signal, then the end of serve)
         self._stop.set()
-        self.rpc.close()
+        self.rpc.close(self.cfg.drain_timeout_s)
+        try:
+            call_once(self.cfg.controller, {"op": "leave", "id": self.id}, timeout_s=1.0)
+        except (OSError, EMSError):
+            pass  # controller away: it drops us after the heartbeat timeout
         self.shard.ssd.close()
         self.shm_index.close()
         self.arena.close()
@@ -263,4 +293,4 @@ def run_server(cfg: ServerConfig) -> int:
     except (OSError, ValueError) as e:
         print(f"ems server: cannot start ({cfg.ssd_dir=}, {cfg.dram_bytes=}): {e}", file=sys.stderr)
         return 2
-    return serve_until_signal(server.serve, server.close)
+    return serve_until_signal(server.serve, server.stop, server.close)

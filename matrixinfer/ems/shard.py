@@ -69,12 +69,19 @@ class Shard:
 
     # -- quotas -------------------------------------------------------------------------------
     def set_quotas(self, quotas: dict[str, Quota]) -> None:
+        """Replace the quotas; a namespace whose share shrank is brought under it now (DRAM:
+        its own LRU objects, still on SSD; SSD: its own oldest objects), not at its next put."""
         with self.lock:
-            self.quotas = dict(quotas)
+            old, self.quotas = self.quotas, dict(quotas)
+            shrunk = [ns for ns, q in quotas.items() if ns not in old or q.dram < old[ns].dram or q.ssd < old[ns].ssd]
+            for ns in shrunk:
+                while self.ns_dram.get(ns, 0) > quotas[ns].dram and self._evict_one(ns):
+                    pass
+        for ns in shrunk:
+            self._enforce_ssd_quota(ns)
 
     def set_quota(self, ns: str, quota: Quota) -> None:
-        with self.lock:
-            self.quotas = {**self.quotas, ns: quota}
+        self.set_quotas({**self.quotas, ns: quota})
 
     def quota(self, ns: str) -> Quota:
         return self.quotas.get(ns) or Quota()

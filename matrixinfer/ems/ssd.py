@@ -171,12 +171,18 @@ class SegmentLog:
             if self.durable >= (loc.seg, loc.val_off + loc.length):
                 return  # someone else's fsync already covered us
             with self.lock:
-                fd, upto = self.fd, (self.seg, self.pos)
+                upto = (self.seg, self.pos)
                 if loc.seg < self.seg:  # rotated: the old segment was fsynced on rotation
                     self.durable = max(self.durable, (loc.seg, loc.val_off + loc.length))
                     return
-            os.fsync(fd)
-            self.durable = upto
+                # Our own descriptor of the segment: a rotation between here and the fsync
+                # closes self.fd (and a new segment may reuse its number), never this one.
+                fd = os.dup(self.fd)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            self.durable = max(self.durable, upto)
 
     def put(self, ns: str, key: str, value: memoryview) -> Loc:
         return self.put_many(ns, [(key, value)])[0]

@@ -8,10 +8,12 @@ the client went away (its request is aborted and its cache blocks freed).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
-from contextlib import aclosing
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import replace
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -23,12 +25,15 @@ from matrixinfer.engine.sampling_params import SamplingParams
 from matrixinfer.serving import protocol as p
 from matrixinfer.serving.async_engine import EngineClient, GenerateRequest
 from matrixinfer.serving.ledger import UsageLedger
-from matrixinfer.serving.limits import LimitExceeded, Limiter
+from matrixinfer.serving.batching import best_of, merged
+from matrixinfer.serving.drain import Drain, DrainMiddleware
+from matrixinfer.serving.limits import LimitExceeded, Limiter, Reservation
 from matrixinfer.serving.metrics import ServingMetrics
 from matrixinfer.serving.openai_format import ChatFormatter, ChoiceStream, CompletionFormatter, Formatter, usage
 from matrixinfer.serving.tenants import ANONYMOUS, Tenant, TenantStore
 
 MAX_STOP_STRINGS = 4
+MAX_PROMPTS = 64  # prompts in one batched completions request
 
 
 class APIError(Exception):
@@ -49,8 +54,8 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
     err = exc.errors()[0]
     loc = [str(x) for x in err.get("loc", ()) if x != "body"]
     # pydantic reports union members as extra loc parts (e.g. prompt.str); keep the field path
-    loc = [x for x in loc if x not in ("str", "list[int]", "list[str]", "list[TextPart]", "int", "float")
-           and not x.startswith("function-")]
+    loc = [x for x in loc if x not in ("str", "list[int]", "list[str]", "list[list[int]]", "list[TextPart]", "int",
+                                       "float") and not x.startswith("function-")]
     param = ".".join(loc) or None
     if err.get("type") == "extra_forbidden":
         message = f"Unrecognized request argument supplied: {param}"
@@ -113,6 +118,14 @@ class TokenService:
             raise APIError(400, "the prompt is empty", param=param)
         return ids
 
+    def completion_prompts(self, prompt) -> list[list[int]]:
+        """`prompt` as text, token ids, or a batch of either -> token ids per prompt."""
+        if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+            return [self.tokenize_prompt(prompt)]
+        if len(prompt) > MAX_PROMPTS:
+            raise APIError(400, f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}", param="prompt")
+        return [self.tokenize_prompt(x, param=f"prompt.{i}") for i, x in enumerate(prompt)]
+
     def chat_prompt(self, messages: list[p.ChatMessage]) -> list[int]:
         tok = self.engine.tokenizer
         if tok is None or not tok.chat_template:
@@ -145,40 +158,79 @@ class TokenService:
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
             raise APIError(400, f"stop must be at most {MAX_STOP_STRINGS} non-empty strings", param="stop")
+        if body.response_format is not None and body.response_format.type != "text":
+            raise APIError(400, f"response_format {body.response_format.type!r} is not supported: this server has no "
+                                "constrained (JSON) decoding; use {\"type\": \"text\"} or leave it out",
+                           param="response_format", code="unsupported_parameter")
         try:
             return SamplingParams(
                 n=body.n, temperature=1.0 if body.temperature is None else body.temperature,
                 top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or -1,
                 min_p=body.min_p or 0.0, seed=body.seed, max_tokens=max_tokens, stop=stop or None,
-                ignore_eos=body.ignore_eos, logprobs=logprobs,
+                ignore_eos=body.ignore_eos, logprobs=logprobs, min_tokens=body.min_tokens,
+                presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                logit_bias=self._token_map(body.logit_bias), stop_token_ids=self._token_ids(body.stop_token_ids),
+                include_stop_str_in_output=body.include_stop_str_in_output,
+                skip_special_tokens=body.skip_special_tokens,
             )
         except ValueError as e:
             raise APIError(400, str(e)) from e
 
+    def _token_map(self, bias: dict[str, float] | None) -> dict[int, float] | None:
+        """logit_bias: OpenAI's keys are token ids written as strings."""
+        if not bias:
+            return None
+        out = {}
+        for key, value in bias.items():
+            tid = int(key) if key.lstrip("-").isdigit() else None
+            if tid is None or not 0 <= tid < self.engine.vocab_size:
+                raise APIError(400, f"logit_bias key {key!r} is not a token id in [0, {self.engine.vocab_size})",
+                               param="logit_bias")
+            if not -100 <= value <= 100:
+                raise APIError(400, f"logit_bias value {value} for token {key} is outside [-100, 100]",
+                               param="logit_bias")
+            out[tid] = value
+        return out
+
+    def _token_ids(self, ids: list[int] | None) -> list[int] | None:
+        bad = next((t for t in ids or [] if not 0 <= t < self.engine.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"stop token id {bad} is outside the vocabulary [0, {self.engine.vocab_size})",
+                           param="stop_token_ids")
+        return ids
+
     # -- generation -----------------------------------------------------------------------------
-    async def generate(self, raw: Request, tenant: Tenant, body: p._SamplingRequest, ids: list[int],
-                       params: SamplingParams, fmt: Formatter, prompt_param: str) -> Response:
+    async def generate(self, raw: Request, tenant: Tenant, body: p._SamplingRequest, prompts: list[list[int]],
+                       params: SamplingParams, fmt: Formatter, prompt_param: str, keep: int | None = None) -> Response:
+        """Run `prompts` (one engine request each, `params.n` choices each) as one API request.
+        `keep`: return only this many choices per prompt, those of highest cumulative logprob
+        (best_of; every generated token is still metered)."""
         try:
-            self.limiter.admit(tenant, len(ids))
+            reservation = self.limiter.admit(tenant, sum(map(len, prompts)), len(prompts) * params.n * params.max_tokens)
         except LimitExceeded as e:
             self.metrics.rejected(e.code)
             raise APIError(429, str(e), code=e.code, type="rate_limit_error" if e.code != "insufficient_quota"
                            else "insufficient_quota", headers={"Retry-After": str(e.retry_after)}) from e
         arrival = time.monotonic()
-        req = GenerateRequest(fmt.request_id, ids, params, namespace=tenant.name, arrival_time=arrival)
-        stream = self.engine.generate(req)
+        ids = [fmt.request_id] if len(prompts) == 1 else [f"{fmt.request_id}-{i}" for i in range(len(prompts))]
+        streams = [self.engine.generate(GenerateRequest(rid, prompt, params, namespace=tenant.name, arrival_time=arrival))
+                   for rid, prompt in zip(ids, prompts)]
+        stream = streams[0] if len(streams) == 1 else merged(fmt.request_id, streams)
         try:
             first = await anext(stream)
         except ValueError as e:  # the engine's own checks refused the request
             await stream.aclose()
+            self.limiter.finish(tenant, 0, 0, reservation)
             raise APIError(400, str(e), param=prompt_param) from e
         except Exception as e:
             await stream.aclose()
+            self.limiter.finish(tenant, 0, 0, reservation)
             raise APIError(500, f"generation failed: {e}", type="server_error") from e
-        meter = _Meter(self, tenant, body.user, arrival, first)
+        meter = _Meter(self, tenant, body.user, arrival, first, reservation)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._events(stream, meter, fmt, params, include_usage),
+            return StreamingResponse(self._events(stream, meter, fmt, params, len(prompts) * params.n, include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         async with aclosing(stream):
             try:
@@ -190,14 +242,19 @@ class TokenService:
                 meter.close()
                 raise APIError(500, f"generation failed: {e}", type="server_error") from e
         meter.close()
-        return JSONResponse(fmt.response(meter.last))
+        if keep is None:
+            return JSONResponse(fmt.response(meter.last))
+        body = fmt.response(best_of(meter.last, params.n, keep))
+        body["usage"] = usage(meter.last)  # what was metered: every generated choice
+        return JSONResponse(body)
 
-    async def _events(self, stream, meter: "_Meter", fmt: Formatter, params: SamplingParams, include_usage: bool):
-        holdback = max((len(s) for s in params.stop_list), default=1) - 1
-        choices = [ChoiceStream(holdback) for _ in range(params.n)]
+    async def _events(self, stream, meter: "_Meter", fmt: Formatter, params: SamplingParams, n_choices: int,
+                      include_usage: bool):
+        holdback = 0 if params.include_stop_str_in_output else max((len(s) for s in params.stop_list), default=1) - 1
+        choices = [ChoiceStream(holdback) for _ in range(n_choices)]
         try:
             async with aclosing(stream):
-                for chunk in fmt.stream_start(params.n):
+                for chunk in fmt.stream_start(n_choices):
                     yield _sse(chunk, include_usage)
                 while True:
                     for out, cs in zip(meter.last.outputs, choices):
@@ -227,9 +284,11 @@ def _sse(chunk: dict, include_usage: bool) -> str:
 class _Meter:
     """Meters one request once, when it ends for any reason: ledger, limiter, metrics."""
 
-    def __init__(self, service: TokenService, tenant: Tenant, end_user: str | None, arrival: float, first):
+    def __init__(self, service: TokenService, tenant: Tenant, end_user: str | None, arrival: float, first,
+                 reservation: Reservation):
         self.service, self.tenant, self.end_user, self.arrival = service, tenant, end_user, arrival
         self.last = first
+        self.reservation = reservation
         self.closed = False
 
     def close(self) -> None:
@@ -242,7 +301,7 @@ class _Meter:
             s.ledger.record(self.tenant.name, s.engine.model_name, out.request_id, u["prompt_tokens"],
                             u["prompt_tokens_details"]["cached_tokens"], u["completion_tokens"],
                             end_user=self.end_user, finish=",".join(o.finish_reason or "abort" for o in out.outputs))
-        s.limiter.finish(self.tenant, u["prompt_tokens"], u["completion_tokens"])
+        s.limiter.finish(self.tenant, u["prompt_tokens"], u["completion_tokens"], self.reservation)
         first = out.metrics.get("first_token_time")
         s.metrics.observe(self.tenant.name, u["prompt_tokens"], u["completion_tokens"],
                           None if first is None else first - self.arrival, time.monotonic() - self.arrival,
@@ -250,13 +309,25 @@ class _Meter:
                           [o.finish_reason for o in out.outputs])
 
 
-def build_app(engine: EngineClient, tenants: TenantStore | None = None, ledger: UsageLedger | None = None) -> FastAPI:
+def build_app(engine: EngineClient, tenants: TenantStore | None = None, ledger: UsageLedger | None = None,
+              own_engine: bool = False) -> FastAPI:
     """The HTTP app over `engine`. Without a tenant store (or with one holding no keys) every
-    request is served as the anonymous tenant."""
+    request is served as the anonymous tenant. With `own_engine` the app's lifespan shuts the
+    engine down when the server stops (what `matrixinfer serve` does). `app.state.drain` is
+    the graceful-shutdown switch (drain.py)."""
     service = TokenService(engine, tenants, ledger)
-    app = FastAPI(title="matrixinfer token service", version="0.1.0",
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        yield
+        if own_engine:
+            await asyncio.to_thread(engine.shutdown)
+
+    app = FastAPI(title="matrixinfer token service", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible completions and chat over matrixinfer, metered per tenant.")
     app.state.service = service
+    app.state.drain = Drain()
+    app.add_middleware(DrainMiddleware, drain=app.state.drain)
     bearer = HTTPBearer(auto_error=False)
 
     async def tenant_of(creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> Tenant:
@@ -278,10 +349,27 @@ def build_app(engine: EngineClient, tenants: TenantStore | None = None, ledger: 
     @app.post("/v1/completions", response_model=p.CompletionResponse, responses=_GENERATE_RESPONSES)
     async def completions(body: p.CompletionRequest, raw: Request, tenant: Tenant = Depends(tenant_of)):
         service.check_model(body.model)
-        ids = service.tokenize_prompt(body.prompt)
-        params = service.sampling_params(body, len(ids), body.max_tokens, body.logprobs, "prompt")
-        fmt = CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", engine.model_name, engine.tokenizer, body.logprobs)
-        return await service.generate(raw, tenant, body, ids, params, fmt, "prompt")
+        if body.suffix:
+            raise APIError(400, "suffix is not supported: the served model was not trained for fill-in-the-middle",
+                           param="suffix", code="unsupported_parameter")
+        if body.echo and body.logprobs is not None:
+            raise APIError(400, "echo with logprobs is not supported (prompt logprobs are not computed)", param="echo")
+        if body.best_of is not None and body.best_of < body.n:
+            raise APIError(400, f"best_of ({body.best_of}) must be at least n ({body.n})", param="best_of")
+        generated = body.best_of or body.n
+        if body.stream and generated > body.n:
+            raise APIError(400, "best_of greater than n cannot be streamed", param="best_of")
+        prompts = service.completion_prompts(body.prompt)
+        longest = max(prompts, key=len)
+        params = service.sampling_params(body, len(longest), body.max_tokens, body.logprobs,
+                                         "prompt" if len(prompts) == 1 else f"prompt.{prompts.index(longest)}")
+        if generated > body.n:  # ranking needs the cumulative logprob, which comes with logprobs
+            params = replace(params, n=generated, logprobs=0 if params.logprobs is None else params.logprobs)
+        echo = [engine.tokenizer.decode(ids) if engine.tokenizer else "" for ids in prompts] if body.echo else None
+        fmt = CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", engine.model_name, engine.tokenizer, body.logprobs,
+                                  echo=echo, per_prompt=body.n)
+        return await service.generate(raw, tenant, body, prompts, params, fmt, "prompt",
+                                      keep=body.n if generated > body.n else None)
 
     @app.post("/v1/chat/completions", response_model=p.ChatCompletionResponse, responses=_GENERATE_RESPONSES)
     async def chat_completions(body: p.ChatCompletionRequest, raw: Request, tenant: Tenant = Depends(tenant_of)):
@@ -295,7 +383,7 @@ def build_app(engine: EngineClient, tenants: TenantStore | None = None, ledger: 
         params = service.sampling_params(body, len(ids), body.max_completion_tokens or body.max_tokens,
                                          num_logprobs, "messages")
         fmt = ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", engine.model_name, engine.tokenizer, num_logprobs)
-        return await service.generate(raw, tenant, body, ids, params, fmt, "messages")
+        return await service.generate(raw, tenant, body, [ids], params, fmt, "messages")
 
     @app.get("/v1/models", response_model=p.ModelList, responses=_ERRORS)
     async def models(_: Tenant = Depends(tenant_of)):

@@ -17,19 +17,21 @@ def _serve(args) -> int:
     import uvicorn
 
     from matrixinfer.serving import AsyncLLMEngine, TenantStore, UsageLedger, build_app
+    from matrixinfer.serving.drain import DrainingServer
 
     engine = AsyncLLMEngine(EngineConfig.from_cli(args), model_name=args.served_model_name)
     tenants, ledger = TenantStore(args.keys_db), UsageLedger(args.ledger_db or args.keys_db)
-    app = build_app(engine, tenants, ledger)
+    app = build_app(engine, tenants, ledger, own_engine=True)
     print(f"matrixinfer: serving {engine.model_name} (context {engine.max_model_len} tokens) on "
           f"http://{args.host}:{args.port}/v1; usage ledger {ledger.path}", file=sys.stderr)
     if not tenants.has_keys():
         print(f"matrixinfer: no API keys in {tenants.path}: serving WITHOUT authentication, every request is "
               "metered as tenant 'anonymous' (make a key with `matrixinfer keys add --tenant NAME`)", file=sys.stderr)
-    try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    finally:
-        engine.shutdown()
+    # SIGTERM/SIGINT: drain (503 to new requests, in-flight streams finish up to
+    # --shutdown-timeout), then the app's lifespan shuts the engine down; exit 0.
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=1)
+    DrainingServer(config, app.state.drain, args.shutdown_timeout).run()
     return 0
 
 
@@ -112,6 +114,8 @@ def register(sub, bench_sub) -> None:
     _db_args(s)
     EngineConfig.add_cli_args(s)
     s.add_argument("--log-level", default="warning")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds that requests in flight may take to finish (new ones get 503)")
     s.set_defaults(func=_serve)
 
     k = sub.add_parser("keys", help="API keys of tenants")

@@ -1,9 +1,12 @@
 """Per-tenant admission: token quotas per calendar period and rate limits per minute.
 
-Quotas are checked at admission against what the ledger has metered this period (in-flight
-requests are counted when they finish, so concurrent requests can overshoot a quota by at
-most their own size). Rate limits use a sliding 60 s window of admissions (requests/min)
-and of tokens (prompt tokens at admission, completion tokens at finish).
+Quotas: admission *reserves* the request's prompt tokens and the most it may generate
+(max_tokens x choices) on top of what the ledger has metered this period and what requests
+in flight hold reserved; a request that does not fit is refused. When it ends the
+reservation is settled to its real usage. So however many requests run at once, a tenant
+never exceeds its quota (it may be refused while reservations are larger than the usage
+they settle to). Rate limits use a sliding 60 s window of admissions (requests/min) and of
+tokens (prompt tokens at admission, completion tokens at finish).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import math
 import threading
 import time
 from collections import defaultdict, deque
+from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from matrixinfer.serving.ledger import UsageLedger
@@ -45,6 +49,14 @@ def period_bounds(period: str, now: float) -> tuple[float, float]:
     return start.timestamp(), end
 
 
+@dataclass
+class Reservation:
+    """Tokens held for one admitted request until it finishes."""
+
+    prompt_tokens: int
+    completion_tokens: int
+
+
 class Limiter:
     def __init__(self, ledger: UsageLedger | None, clock=time.time):
         self.ledger = ledger
@@ -53,12 +65,13 @@ class Limiter:
         self._requests: dict[str, deque[float]] = defaultdict(deque)
         self._tokens: dict[str, deque[tuple[float, int]]] = defaultdict(deque)
         self._period_used: dict[tuple[str, float], list[int]] = {}  # (tenant, period start) -> [in, out]
+        self._reserved: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # tenant -> [in, out] in flight
 
-    def admit(self, tenant: Tenant, prompt_tokens: int) -> None:
-        """Count the request in, or raise LimitExceeded (nothing counted)."""
+    def admit(self, tenant: Tenant, prompt_tokens: int, max_completion_tokens: int = 0) -> Reservation:
+        """Count the request in and reserve its tokens, or raise LimitExceeded (nothing counted)."""
         now = self.clock()
         with self._lock:
-            self._check_quota(tenant, prompt_tokens, now)
+            self._check_quota(tenant, prompt_tokens, max_completion_tokens, now)
             reqs, toks = self._window(tenant.name, now)
             if tenant.requests_per_min is not None and len(reqs) >= tenant.requests_per_min:
                 raise LimitExceeded(f"rate limit reached for {tenant.name!r}: {tenant.requests_per_min} requests/min",
@@ -72,11 +85,21 @@ class Limiter:
                                         retry, "rate_limit_exceeded")
             reqs.append(now)
             toks.append((now, prompt_tokens))
+            reserved = self._reserved[tenant.name]
+            reserved[0] += prompt_tokens
+            reserved[1] += max_completion_tokens
+            return Reservation(prompt_tokens, max_completion_tokens)
 
-    def finish(self, tenant: Tenant, prompt_tokens: int, completion_tokens: int) -> None:
-        """Count a finished request's tokens (after the ledger has recorded it)."""
+    def finish(self, tenant: Tenant, prompt_tokens: int, completion_tokens: int,
+               reservation: Reservation | None = None) -> None:
+        """Settle a finished request: its reservation is released, its real tokens counted
+        (after the ledger has recorded them)."""
         now = self.clock()
         with self._lock:
+            if reservation is not None:
+                reserved = self._reserved[tenant.name]
+                reserved[0] -= reservation.prompt_tokens
+                reserved[1] -= reservation.completion_tokens
             self._tokens[tenant.name].append((now, completion_tokens))
             used = self._used(tenant, now, refresh=False)
             if used is not None:
@@ -111,15 +134,24 @@ class Limiter:
             self._period_used[key] = list(used)
         return self._period_used[key]
 
-    def _check_quota(self, tenant: Tenant, prompt_tokens: int, now: float) -> None:
+    def _check_quota(self, tenant: Tenant, prompt_tokens: int, max_completion_tokens: int, now: float) -> None:
         if tenant.input_tokens_per_period is None and tenant.output_tokens_per_period is None:
             return
         used_in, used_out = self._used(tenant, now)
+        held_in, held_out = self._reserved[tenant.name]
         _, end = period_bounds(tenant.period, now)
         quota_in, quota_out = tenant.input_tokens_per_period, tenant.output_tokens_per_period
-        if quota_in is not None and used_in + prompt_tokens > quota_in:
+
+        def retry(used: int, want: int, quota: int) -> float:
+            # fits once the requests in flight settle (to at most what they hold): soon
+            return 1.0 if used + want <= quota else end - now
+
+        if quota_in is not None and used_in + held_in + prompt_tokens > quota_in:
             raise LimitExceeded(f"input token quota of {tenant.name!r} exhausted: {used_in} of {quota_in} used this "
-                                f"{tenant.period}, this prompt has {prompt_tokens}", end - now, "insufficient_quota")
-        if quota_out is not None and used_out >= quota_out:
+                                f"{tenant.period} and {held_in} held by requests in flight; this prompt has "
+                                f"{prompt_tokens}", retry(used_in, prompt_tokens, quota_in), "insufficient_quota")
+        if quota_out is not None and used_out + held_out + max_completion_tokens > quota_out:
             raise LimitExceeded(f"output token quota of {tenant.name!r} exhausted: {used_out} of {quota_out} used this "
-                                f"{tenant.period}", end - now, "insufficient_quota")
+                                f"{tenant.period} and {held_out} held by requests in flight; this request may "
+                                f"generate {max_completion_tokens} (max_tokens x choices): lower max_tokens",
+                                retry(used_out, max_completion_tokens, quota_out), "insufficient_quota")

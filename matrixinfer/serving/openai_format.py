@@ -88,7 +88,16 @@ class Formatter:
 class CompletionFormatter(Formatter):
     object_name = chunk_object_name = "text_completion"
 
+    def __init__(self, request_id: str, model: str, tokenizer, num_logprobs: int | None,
+                 echo: list[str] | None = None, per_prompt: int = 1):
+        super().__init__(request_id, model, tokenizer, num_logprobs)
+        self.echo, self.per_prompt = echo, per_prompt  # echo: each prompt's text, put before its choices
+        self.echoed: set[int] = set()  # streamed choices whose first delta carried the prompt
+
     def choice(self, out, text, lps, finish, delta=False):
+        if self.echo is not None and not (delta and out.index in self.echoed):
+            text = self.echo[out.index // self.per_prompt] + text
+            self.echoed.add(out.index)
         return {"index": out.index, "text": text, "logprobs": self._logprobs(lps), "finish_reason": finish,
                 "stop_reason": out.stop_reason if finish else None}
 

@@ -20,6 +20,11 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict | None = None
+
+
 class _SamplingRequest(_Request):
     model: str | None = Field(None, description="the served model's id (see /v1/models); may be omitted")
     max_tokens: int | None = Field(None, ge=1, description="default: what the context leaves after the prompt")
@@ -33,12 +38,31 @@ class _SamplingRequest(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=256, description="end-user id, recorded in the usage ledger")
+    presence_penalty: float | None = Field(None, ge=-2, le=2, description="subtracted once from every token already "
+                                           "in the output")
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="subtracted per occurrence in the output")
+    logit_bias: dict[str, float] | None = Field(None, description="token id (as a string) -> bias in [-100, 100] "
+                                                "added to its logit")
+    response_format: ResponseFormat | None = Field(None, description="only {\"type\": \"text\"}: JSON modes are "
+                                                   "refused with a 400")
+    # vLLM's extensions (its OpenAI server accepts them; `vllm bench serve` sends repetition_penalty)
     ignore_eos: bool = Field(False, description="vLLM extension: keep generating past end-of-sequence")
+    repetition_penalty: float | None = Field(None, gt=0, description="vLLM extension: >1 discourages tokens of the "
+                                             "prompt and output")
+    min_tokens: int = Field(0, ge=0, description="vLLM extension: no end-of-sequence or stop token before this many")
+    stop_token_ids: list[int] | None = Field(None, description="vLLM extension: token ids that end the choice")
+    include_stop_str_in_output: bool = Field(False, description="vLLM extension: keep the stop string in the text")
+    skip_special_tokens: bool = Field(True, description="vLLM extension: leave special tokens out of the text")
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[int] = Field(..., description="text, or token ids")
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        ..., description="text, token ids, or a list of either (a batch: one set of n choices per prompt)")
     logprobs: int | None = Field(None, ge=0, le=5, description="also return this many most likely tokens per position")
+    echo: bool = Field(False, description="prefix each choice's text with its prompt")
+    suffix: str | None = Field(None, description="text after the completion: refused (no fill-in-the-middle model)")
+    best_of: int | None = Field(None, ge=1, le=MAX_N, description="generate this many per prompt, return the n with "
+                                "the highest cumulative log probability (not with stream)")
 
 
 class TextPart(_Request):

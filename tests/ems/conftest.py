@@ -1,12 +1,31 @@
 """Fixtures: real EMS pools (controller + MP servers as processes on 127.0.0.1)."""
 
-import os
+import glob
 import shutil
 import tempfile
 
 import pytest
 
 from matrixinfer.ems import EMSClient, LocalCluster
+from matrixinfer.ems import local
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shm_left_as_found():
+    """The suite leaves /dev/shm as it found it: no arena or index of a server it started
+    (ids carry each pool's tag; other users' pools on this machine are not ours to judge)."""
+    before, tags = set(glob.glob("/dev/shm/mi-ems-*")), []
+    start = local.LocalCluster.start
+
+    def recording_start(self):
+        tags.append(self.tag)
+        return start(self)
+
+    local.LocalCluster.start = recording_start
+    yield
+    local.LocalCluster.start = start
+    left = [p for p in set(glob.glob("/dev/shm/mi-ems-*")) - before if "mi-ems-test-" in p or any(t in p for t in tags)]
+    assert left == [], f"tests left shared memory behind: {left}"
 
 
 def _cluster(request, **kw):

@@ -1,6 +1,7 @@
 """The SSD tier: segment log, checksums, recovery, compaction (real files, in-process)."""
 
 import os
+import random
 
 from matrixinfer.ems.ssd import SegmentLog
 
@@ -101,3 +102,41 @@ def test_put_returns_only_after_fsync_and_concurrent_puts_share_fsyncs(tmp_path,
     n0 = len(synced)
     lazy.put("ns", "k", memoryview(b"v"))
     assert len(synced) == n0
+
+
+def test_group_commit_survives_segment_rotation_under_concurrent_puts(tmp_path, monkeypatch):
+    """Eight threads put into one-record segments, so rotations close the active segment while
+    another put's group-commit fsync is pending: every put succeeds, every fsync syncs the
+    segment it was asked to (not a closed or reused descriptor), and all values survive."""
+    import threading
+    import time
+
+    real, wrong, rng = os.fsync, [], random.Random(0)
+
+    def slow_fsync(fd):
+        before = os.readlink(f"/proc/self/fd/{fd}")
+        time.sleep(rng.uniform(0, 0.004))  # widen the window in which a rotation can close it
+        if os.readlink(f"/proc/self/fd/{fd}") != before:
+            wrong.append(before)
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", slow_fsync)
+    log = SegmentLog(str(tmp_path), segment_bytes=4096)
+    errors, vals = [], {f"t{t}-{i}": os.urandom(3000) for t in range(8) for i in range(15)}
+
+    def worker(t):
+        try:
+            for i in range(15):
+                log.put("ns", f"t{t}-{i}", memoryview(vals[f"t{t}-{i}"]))
+        except OSError as e:
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == [] and wrong == []
+    log.close()
+    log = SegmentLog(str(tmp_path), segment_bytes=4096)
+    assert log.stats()["segments"] >= 100 and all(log.get("ns", k) == v for k, v in vals.items())

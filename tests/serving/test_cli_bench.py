@@ -52,7 +52,8 @@ def test_serve_without_keys_says_so(served):
 def test_bench_serve_single_and_multi_turn(text_checkpoint, tmp_path, monkeypatch, capsys):
     """bench serve (starting its own server on --model) completes every request at each rate,
     reports TTFT/TPOT percentiles and throughput, writes JSON, a plot and its BENCHMARKS.md
-    section; multi-turn mode sees later turns hit the prefix cache."""
+    section to ./bench-results/ (benchmarks/ untouched) or, with --save, to benchmarks/;
+    multi-turn mode sees later turns hit the prefix cache."""
     monkeypatch.chdir(tmp_path)
     common = ["bench", "serve", "--model", str(text_checkpoint[0]), "--dtype", "float32", "--input-len", "8",
               "--output-len", "4", "--json"]
@@ -62,10 +63,12 @@ def test_bench_serve_single_and_multi_turn(text_checkpoint, tmp_path, monkeypatc
     r = report["results"][0]
     assert r["ttft_p50_s"] > 0 and r["tpot_p99_s"] > 0 and r["output_tok_s"] > 0
     assert r["output_tokens"] == 16
-    assert cli_main(common + ["--rates", "4", "--multi-turn", "--conversations", "2", "--turns", "3"]) == 0
+    assert (tmp_path / "bench-results" / "serve.json").exists() and not (tmp_path / "benchmarks").exists()
+    assert cli_main(common + ["--rates", "4", "--multi-turn", "--conversations", "2", "--turns", "3", "--save"]) == 0
     multi = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["results"][0]
     assert multi["completed"] == 6 and multi["cached_fraction"] > 0
-    for name in ["serve.json", "serve.png", "serve-multiturn.json", "serve-multiturn.png"]:
+    for name in ["serve-multiturn.json", "serve-multiturn.png"]:
         assert (tmp_path / "benchmarks" / name).exists(), name
+    assert (tmp_path / "bench-results" / "serve.png").exists()
     md = (tmp_path / "benchmarks" / "BENCHMARKS.md").read_text()
-    assert "<!-- bench:serve -->" in md and "multi-turn" in md and "single-turn" in md
+    assert "<!-- bench:serve -->" in md and "multi-turn" in md
