@@ -374,24 +374,27 @@ def run_ops(model_dir: Path = DEFAULT_MODEL, dtype: str = "float32", engine: boo
 
 
 def cmd_bench_ops(args) -> int:
+    from matrixinfer.bench.report import bench_dir
+
+    args.yaml = args.yaml or str(bench_dir() / "ops.yaml")
     from matrixinfer.bench.report import markdown_table, save_json, write_section
 
     torch.set_num_threads(args.threads)
     res = run_ops(Path(args.model), args.dtype, engine=not args.no_engine, collectives=not args.no_collectives,
                   quiet=args.json)
     hw = hardware_dict(res, f"local ({res.machine['cpu']}, {args.threads} threads)")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(f"# written by `matrixinfer bench ops` ({time.strftime('%Y-%m-%d')}); "
+    Path(args.yaml).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.yaml).write_text(f"# written by `matrixinfer bench ops` ({time.strftime('%Y-%m-%d')}); "
                               f"{json.dumps({k: res.machine[k] for k in ('torch_cpu_capability', 'amx', 'avx512_vnni', 'threads')})}\n"
                               + yaml.safe_dump(hw, sort_keys=False))
     if args.json:
-        print(json.dumps(asdict(res) | {"hardware_yaml": args.out}))
+        print(json.dumps(asdict(res) | {"hardware_yaml": args.yaml}))
         return 0
     save_json("ops", asdict(res))
     f = res.fitted
     md = (f"Machine: {res.machine['cpu']}, torch CPU kernel path `{res.machine['torch_cpu_capability']}`, "
           f"AMX {res.machine['amx'] or 'no'}, AVX512-VNNI {'yes' if res.machine['avx512_vnni'] else 'no'}, "
-          f"{args.threads} thread(s). Written to `{args.out}` (the simulator's hardware format).\n\n"
+          f"{args.threads} thread(s). Written to `{args.yaml}` (the simulator's hardware format).\n\n"
           + markdown_table(["dtype", "peak TFLOPS (best shape)", "sweep rate / peak"],
                            [[d, f["peak_tflops"][d], f["gemm_eff"][d]] for d in f["peak_tflops"]])
           + "\n\n" + markdown_table(["quantity", "value"], [

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 
-from matrixinfer.engine.outputs import RequestOutput
+from matrixinfer.frontend.outputs import RequestOutput
 
 
 def merge_outputs(request_id: str, outs: list[RequestOutput]) -> RequestOutput:

@@ -393,7 +393,8 @@ def register(sub, bench_sub) -> None:
     p.add_argument("--model", default="models/matrixinfer-tiny-moe", help="model dir whose MLA shapes are timed")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="engine dtype for host overhead")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: stable on a shared machine)")
-    p.add_argument("--out", default="benchmarks/ops.yaml", help="hardware YAML to write")
+    p.add_argument("--yaml", default=None, help="hardware YAML to write (default: ops.yaml in the results directory, "
+                   "benchmarks/ops.yaml with --save)")
     p.add_argument("--no-engine", action="store_true", help="skip the engine host-overhead measurement")
     p.add_argument("--no-collectives", action="store_true", help="skip the 2-process gloo measurement")
     p.add_argument("--json", action="store_true", help="print one JSON object")

@@ -5,7 +5,7 @@ should, not merely passes validation."""
 import httpx
 import pytest
 
-from matrixinfer.engine import DEFAULT_MODEL
+from matrixinfer.config import DEFAULT_MODEL
 from matrixinfer.serving import AsyncLLMEngine, build_app
 from tests.serving.conftest import LiveServer
 
