@@ -299,14 +299,38 @@ class EngineConfig:
         p.add_argument("--kv-connector", default=None, choices=["ems"])
         p.add_argument("--ems-controller", default=None, help="HOST:PORT of the EMS controller")
         p.add_argument("--seed", type=int, default=None)
+        p.add_argument("--deployment", default=None,
+                       help="a deployment YAML (see matrixinfer/deployment.py): model, dtype and parallel sizes "
+                            "from the file that `matrixinfer simulate deployment` reads")
+
+    @classmethod
+    def from_deployment(cls, dep, **overrides) -> "EngineConfig":
+        """The engine of a colocated deployment file (matrixinfer/deployment.py), the same file
+        `matrixinfer simulate deployment` predicts; PDC roles are served by their own issue."""
+        if not dep.colocated:
+            raise ValueError("this deployment has separate prefill and decode roles; disaggregated serving is not "
+                             "built yet (`matrixinfer simulate deployment FILE` predicts it); use colocated: true")
+        if dep.dtype == "int8":
+            raise ValueError("deployment dtype int8: INT8 serving is not built yet")
+        d = dep.decode
+        if d.instances != 1:
+            raise ValueError(f"decode.instances: {d.instances}: one colocated instance per `serve` process")
+        kw = dict(dtype=dep.dtype, tensor_parallel_size=d.tensor_parallel_size,
+                  expert_parallel_size=d.expert_parallel_size)
+        if d.speculative_num_tokens:
+            kw["speculative_config"] = {"method": "mtp", "num_speculative_tokens": d.speculative_num_tokens}
+        return cls.from_kwargs(dep.model, **{**kw, **overrides})
 
     @classmethod
     def from_cli(cls, args) -> "EngineConfig":
         kv = {"connector": args.kv_connector, "ems_controller": args.ems_controller}
-        return cls.from_kwargs(
-            args.model, dtype=args.dtype, device=args.device, seed=args.seed or 0,
-            block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
-            enable_prefix_caching=not args.no_prefix_caching, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-            tensor_parallel_size=args.tensor_parallel_size,
-            distributed_executor_backend=args.distributed_executor_backend, kv_transfer_config=kv)
+        kw = dict(device=args.device, seed=args.seed or 0,
+                  block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
+                  enable_prefix_caching=not args.no_prefix_caching, max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                  distributed_executor_backend=args.distributed_executor_backend, kv_transfer_config=kv)
+        if args.deployment:
+            from matrixinfer.deployment import load_deployment
+
+            return cls.from_deployment(load_deployment(args.deployment), **kw)
+        return cls.from_kwargs(args.model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size, **kw)

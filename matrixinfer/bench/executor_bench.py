@@ -111,4 +111,4 @@ def add_arguments(p) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--no-write", action="store_true", help="do not write benchmarks/")
+    p.add_argument("--no-write", action="store_true", help="print only, write no results")

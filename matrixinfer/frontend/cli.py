@@ -65,8 +65,12 @@ def register(sub, bench_sub) -> None:
     b.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     b.set_defaults(func=_bench_engine)
 
-    from matrixinfer.bench import executor_bench
+    from matrixinfer.bench import executor_bench, kv_connector_bench
 
     e = bench_sub.add_parser("executor", help="in-process vs multi-process executors (TP=1, TP=2), same requests")
     executor_bench.add_arguments(e)
     e.set_defaults(func=executor_bench.main)
+
+    k = bench_sub.add_parser("kv-connector", help="EMS page layout (per block vs per layer) and TTFT from EMS vs recompute")
+    kv_connector_bench.add_arguments(k)
+    k.set_defaults(func=kv_connector_bench.main)
