@@ -305,16 +305,20 @@ class EngineConfig:
 
     @classmethod
     def from_deployment(cls, dep, **overrides) -> "EngineConfig":
-        """The engine of a colocated deployment file (matrixinfer/deployment.py), the same file
-        `matrixinfer simulate deployment` predicts; PDC roles are served by their own issue."""
-        if not dep.colocated:
-            raise ValueError("this deployment has separate prefill and decode roles; disaggregated serving is not "
-                             "built yet (`matrixinfer simulate deployment FILE` predicts it); use colocated: true")
+        """The engine config of every instance of a deployment file (matrixinfer/deployment.py),
+        the same file `matrixinfer simulate deployment` predicts. Instance counts are the
+        launcher's business (`serve` reads them from the file too)."""
         if dep.dtype == "int8":
             raise ValueError("deployment dtype int8: INT8 serving is not built yet")
         d = dep.decode
-        if d.instances != 1:
+        if dep.colocated and d.instances != 1:
             raise ValueError(f"decode.instances: {d.instances}: one colocated instance per `serve` process")
+        p = dep.prefill
+        if p is not None and (p.tensor_parallel_size, p.expert_parallel_size) != (d.tensor_parallel_size,
+                                                                              d.expert_parallel_size):
+            raise ValueError("prefill and decode roles with different parallel sizes are not served yet")
+        if p is not None and p.prefill_parallel != "dp":
+            raise ValueError(f"prefill.prefill_parallel: {p.prefill_parallel}: only dp is served yet")
         kw = dict(dtype=dep.dtype, tensor_parallel_size=d.tensor_parallel_size,
                   expert_parallel_size=d.expert_parallel_size)
         if d.speculative_num_tokens:

@@ -42,9 +42,16 @@ def test_a_colocated_deployment_file_is_an_engine_config(tmp_path):
     assert cfg.parallel.tensor_parallel_size == 2 and cfg.scheduler.max_num_seqs == 8
 
 
-def test_serve_refuses_a_disaggregated_deployment_with_a_clear_message(tmp_path):
+def test_a_pdc_deployment_gives_every_instance_one_config(tmp_path):
     path = _write(tmp_path, f"model: {DEFAULT_MODEL}\ncolocated: false\nprefill:\n  instances: 2\n"
                             "decode:\n  instances: 1\n")
+    cfg = EngineConfig.from_deployment(load_deployment(path))
+    assert cfg.parallel.world_size == 1
+
+
+def test_serve_refuses_what_it_cannot_serve_with_a_clear_message(tmp_path):
+    path = _write(tmp_path, f"model: {DEFAULT_MODEL}\ncolocated: false\nprefill:\n  instances: 2\n"
+                            "  prefill_parallel: sp-tp-sp\ndecode:\n  instances: 1\n")
     r = subprocess.run([sys.executable, "-m", "matrixinfer.cli", "serve", "--deployment", str(path)],
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "disaggregated serving is not built yet" in r.stderr
+    assert r.returncode == 2 and "only dp is served yet" in r.stderr

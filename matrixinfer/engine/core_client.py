@@ -50,9 +50,15 @@ class InprocCoreClient:
         self.core.shutdown()
 
 
-def _core_main(config: EngineConfig, conn) -> None:
+def _core_main(config: EngineConfig, conn, title: str) -> None:
     """The engine core process: apply requests and aborts, step while there is work, send
     every step's outputs back."""
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(title)  # `ps` / `top` show which role this process is
+    except ImportError:
+        pass
     try:
         core = EngineCore(config)
     except BaseException:
@@ -106,10 +112,10 @@ class MPCoreClient:
     """The core in its own process. A reader thread puts what the core sends on `outputs`
     (EngineCoreOutputs, ("rejected", (request id, message))) or an exception when it dies."""
 
-    def __init__(self, config: EngineConfig, start_timeout_s: float = 300.0):
+    def __init__(self, config: EngineConfig, start_timeout_s: float = 300.0, title: str = "matrixinfer::engine-core"):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_core_main, args=(config, child), name="matrixinfer-engine-core", daemon=True)
+        self.proc = ctx.Process(target=_core_main, args=(config, child, title), name=title, daemon=True)
         self.proc.start()
         child.close()
         self._finalizer = weakref.finalize(self, _stop_core, self.proc, self.conn)

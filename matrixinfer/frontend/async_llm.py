@@ -73,22 +73,36 @@ class _ThreadCore:
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig, model_name: str | None = None, engine_core_process: bool = True):
+        self.core = MPCoreClient(config) if engine_core_process else _ThreadCore(config)
+        self._init_frontend(config, model_name, self.core.max_model_len, self.core.vocab_size)
+        self._dispatcher = threading.Thread(target=self._dispatch, args=(self.core,), name="engine-outputs",
+                                            daemon=True)
+        self._dispatcher.start()
+
+    def _init_frontend(self, config: EngineConfig, model_name: str | None, max_model_len: int, vocab_size: int) -> None:
+        """The text side, shared by every EngineClient built on engine cores (also pdc/)."""
         self.config = config
         self.model_name = model_name or Path(config.model).name
         self.tokenizer = Tokenizer.maybe_load(config.model)
         model_config = ModelConfig.from_pretrained(config.model)
-        self.core = MPCoreClient(config) if engine_core_process else _ThreadCore(config)
-        self.max_model_len, self.vocab_size = self.core.max_model_len, self.core.vocab_size
+        self.max_model_len, self.vocab_size = max_model_len, vocab_size
         self.processor = Processor(self.tokenizer, self.vocab_size, self.max_model_len, model_config.eos_token_id)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._lock = threading.Lock()  # output processor state: touched by callers and the dispatcher
+        self._lock = threading.RLock()  # output processor state: touched by callers and dispatchers
         from matrixinfer.engine.messages import SchedulerStats
 
         self._stats = SchedulerStats()
-        self._dead: BaseException | None = None  # set when the core process is gone
-        self._dispatcher = threading.Thread(target=self._dispatch, name="engine-outputs", daemon=True)
-        self._dispatcher.start()
+        self._dead: BaseException | None = None  # set when no engine core is left
+
+    # -- where engine requests go (pdc/ routes them over instances) -----------------------------------
+    def _submit(self, reqs) -> None:
+        for r in reqs:
+            self.core.add_request(r)
+
+    def _abort_children(self, child_ids: list[str]) -> None:
+        if child_ids:
+            self.core.abort_requests(child_ids)
 
     @classmethod
     def from_model(cls, model: str | Path, model_name: str | None = None, engine_core_process: bool = True,
@@ -114,8 +128,7 @@ class AsyncLLM:
             self._streams[rid] = (loop, q)
         finished = False
         try:
-            for r in reqs:
-                self.core.add_request(r)
+            self._submit(reqs)
         except OSError as e:  # the core's pipe is closed: it died
             await self.abort(rid)
             raise RuntimeError(f"the engine is not running: {e}") from None
@@ -138,8 +151,7 @@ class AsyncLLM:
             ids = self.output_processor.child_ids(request_id)
             self.output_processor.remove(request_id)
             self._streams.pop(request_id, None)
-        if ids:
-            self.core.abort_requests(ids)
+        self._abort_children(ids)
 
     def stats(self):
         from matrixinfer.serving.async_engine import EngineStats
@@ -153,9 +165,9 @@ class AsyncLLM:
         self._fail_all(RuntimeError("the engine is shutting down"))
 
     # -- outputs from the core ------------------------------------------------------------------------
-    def _dispatch(self) -> None:
+    def _dispatch(self, core) -> None:
         while True:
-            item = self.core.outputs.get()
+            item = core.outputs.get()
             if isinstance(item, BaseException):
                 self._fail_all(item)
                 if isinstance(item, EngineDeadError):
@@ -163,14 +175,19 @@ class AsyncLLM:
                     return
                 continue
             if isinstance(item, tuple):  # ("rejected", (engine request id, message))
-                rid = item[1][0].split("#")[0]
-                with self._lock:
-                    self.output_processor.remove(rid)
-                    target = self._streams.pop(rid, None)
-                if target:
-                    _call_soon(target[0], target[1].put_nowait, ValueError(item[1][1]))
+                self._fail_request(item[1][0].split("#")[0], ValueError(item[1][1]))
                 continue
             self._on_outputs(item)
+
+    def _fail_request(self, request_id: str, error: BaseException) -> None:
+        """End one request's stream with `error` (its other samples are aborted)."""
+        with self._lock:
+            ids = self.output_processor.child_ids(request_id)
+            self.output_processor.remove(request_id)
+            target = self._streams.pop(request_id, None)
+        self._abort_children(ids)
+        if target:
+            _call_soon(target[0], target[1].put_nowait, error)
 
     def _on_outputs(self, out: EngineCoreOutputs) -> None:
         if out.stats is not None:
@@ -179,8 +196,7 @@ class AsyncLLM:
             results, to_abort = self.output_processor.process(out.outputs)
             targets = [(r, self._streams.pop(r.request_id, None) if r.finished else self._streams.get(r.request_id))
                        for r in results]
-        if to_abort:
-            self.core.abort_requests(to_abort)
+        self._abort_children(to_abort)
         for r, target in targets:
             if target is not None:
                 _call_soon(target[0], target[1].put_nowait, r)

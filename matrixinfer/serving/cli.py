@@ -19,7 +19,25 @@ def _serve(args) -> int:
     from matrixinfer.serving import AsyncLLMEngine, TenantStore, UsageLedger, build_app
     from matrixinfer.serving.drain import DrainingServer
 
-    engine = AsyncLLMEngine(EngineConfig.from_cli(args), model_name=args.served_model_name)
+    config = EngineConfig.from_cli(args)
+    if args.deployment:  # the file's roles win over the flags
+        from matrixinfer.deployment import load_deployment
+
+        dep = load_deployment(args.deployment)
+        args.colocated = dep.colocated
+        if not dep.colocated:
+            args.prefill_instances, args.decode_instances = dep.prefill.instances, dep.decode.instances
+            args.ems_servers = max(1, dep.ems_servers)
+    if args.colocated:
+        engine = AsyncLLMEngine(config, model_name=args.served_model_name)
+    else:
+        from matrixinfer.pdc import start_pdc
+
+        engine = start_pdc(config, args.prefill_instances, args.decode_instances, args.ems_servers,
+                           args.ems_controller, args.router, args.served_model_name)
+        print(f"matrixinfer: PDC stack: {args.prefill_instances} prefill + {args.decode_instances} decode instance(s), "
+              f"KV hand-off through EMS ({args.ems_controller or f'{args.ems_servers} local MP server(s)'}), "
+              f"router {args.router}", file=sys.stderr)
     tenants, ledger = TenantStore(args.keys_db), UsageLedger(args.ledger_db or args.keys_db)
     app = build_app(engine, tenants, ledger, own_engine=True)
     print(f"matrixinfer: serving {engine.model_name} (context {engine.max_model_len} tokens) on "
@@ -113,6 +131,14 @@ def register(sub, bench_sub) -> None:
     s.add_argument("--port", type=int, default=8000)
     _db_args(s)
     EngineConfig.add_cli_args(s)
+    s.add_argument("--colocated", action="store_true",
+                   help="one instance does prefill and decode (no PDC roles, no EMS needed)")
+    s.add_argument("--prefill-instances", type=int, default=1)
+    s.add_argument("--decode-instances", type=int, default=1)
+    s.add_argument("--ems-servers", type=int, default=1,
+                   help="EMS MP servers to start for the KV hand-off (ignored with --ems-controller)")
+    s.add_argument("--router", default="least-loaded", choices=["least-loaded", "locality", "round-robin"],
+                   help="the peer scheduler's policy")
     s.add_argument("--log-level", default="warning")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds that requests in flight may take to finish (new ones get 503)")

@@ -1,0 +1,204 @@
+"""The PDC front end: an EngineClient over separate prefill and decode instances.
+
+Hand-off protocol (per sample of a request; docs/pdc.md has the failure cases):
+1. The peer scheduler picks a prefill instance; it gets the request capped at one output
+   token. Its KV connector saves every full block of the prompt to the EMS pool, before the
+   first token comes back (saves are synchronous with the step that fills a block).
+2. The first token goes to the client at once. Unless the request is over, the scheduler picks
+   a decode instance and sends it prompt + the tokens so far. Its connector finds the prompt's
+   full blocks in EMS (same block names, same namespace), loads them, computes the tail (less
+   than one block) and goes on decoding. The prefill instance has already freed its blocks:
+   nothing it holds depends on the decode side, so nothing is stranded if that side dies.
+3. If an instance dies, each sample it held is sent again from where the client's stream is:
+   to another prefill instance (not started) or another decode instance with prompt + every
+   token already streamed, so the stream goes on without duplicated or lost tokens. With no
+   instance of that role left, the request ends with a clear error.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+
+from matrixinfer.config import EngineConfig
+from matrixinfer.engine.core_client import EngineDeadError
+from matrixinfer.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from matrixinfer.frontend.async_llm import AsyncLLM
+from matrixinfer.pdc.instance import Instance
+from matrixinfer.pdc.router import make_router
+
+
+class NoInstanceError(RuntimeError):
+    pass
+
+
+@dataclass
+class Route:
+    request: EngineCoreRequest  # the sample as the front end made it
+    stage: str  # "prefill" | "decode"
+    instance: Instance
+
+
+class PDCClient(AsyncLLM):
+    def __init__(self, prefill: list[EngineConfig], decode: list[EngineConfig], model_name: str | None = None,
+                 router: str = "least-loaded", on_shutdown=None):
+        roles = [("prefill", i, c) for i, c in enumerate(prefill)] + [("decode", i, c) for i, c in enumerate(decode)]
+        with ThreadPoolExecutor(len(roles)) as pool:  # instances load their models in parallel
+            futures = [pool.submit(Instance, *r) for r in roles]
+            instances = []
+            try:
+                instances = [f.result() for f in futures]
+            except BaseException:
+                for f in futures:
+                    if f.exception() is None:
+                        f.result().shutdown()
+                raise
+        self.prefill = [i for i in instances if i.role == "prefill"]
+        self.decode = [i for i in instances if i.role == "decode"]
+        first = self.decode[0].client
+        self._init_frontend(decode[0], model_name, first.max_model_len, first.vocab_size)
+        self.router = make_router(router, decode[0].cache.block_size)
+        self.routes: dict[str, Route] = {}
+        self._on_shutdown = on_shutdown
+        self._threads = [threading.Thread(target=self._dispatch_instance, args=(i,), name=f"pdc-{i.name}",
+                                          daemon=True) for i in instances]
+        for t in self._threads:
+            t.start()
+
+    @property
+    def instances(self) -> list[Instance]:
+        return self.prefill + self.decode
+
+    # -- routing --------------------------------------------------------------------------------------
+    def _submit(self, reqs: list[EngineCoreRequest]) -> None:
+        with self._lock:
+            for r in reqs:
+                self._to_prefill(r)
+
+    def _to_prefill(self, r: EngineCoreRequest) -> None:
+        alive = [i for i in self.prefill if i.alive]
+        if not alive:
+            raise NoInstanceError("no prefill instance is running")
+        inst = self.router.choose_prefill(alive, r.prompt_token_ids, r.namespace)
+        params = replace(r.params, max_tokens=1, min_tokens=min(r.params.min_tokens, 1))
+        self.routes[r.request_id] = Route(r, "prefill", inst)
+        self.router.observe(inst, r.prompt_token_ids, r.namespace)
+        inst.add(replace(r, params=params))
+
+    def _to_decode(self, child_id: str, tokens: list[int]) -> None:
+        """Continue a sample on a decode instance after `tokens` were streamed."""
+        route = self.routes[child_id]
+        alive = [i for i in self.decode if i.alive]
+        if not alive:
+            raise NoInstanceError("no decode instance is running")
+        r, n = route.request, len(tokens)
+        p = r.params
+        params = replace(p, max_tokens=None if p.max_tokens is None else p.max_tokens - n,
+                         min_tokens=max(0, p.min_tokens - n))
+        inst = self.router.choose_decode(alive)
+        self.routes[child_id] = Route(r, "decode", inst)
+        inst.add(replace(r, prompt_token_ids=r.prompt_token_ids + tokens, params=params))
+
+    def _abort_children(self, child_ids: list[str]) -> None:
+        with self._lock:
+            for cid in child_ids:
+                route = self.routes.pop(cid, None)
+                if route is not None:
+                    route.instance.abort([cid])
+
+    def _streamed_tokens(self, child_id: str) -> list[int] | None:
+        state = self.output_processor._parent.get(child_id)
+        return None if state is None else list(state.children[child_id].token_ids)
+
+    # -- outputs ----------------------------------------------------------------------------------
+    def _dispatch_instance(self, inst: Instance) -> None:
+        while True:
+            item = inst.client.outputs.get()
+            if isinstance(item, EngineDeadError):
+                self._instance_died(inst)
+                return
+            if isinstance(item, BaseException):  # a failed step: the requests in flight there fail
+                for cid in list(inst.requests):
+                    self._fail_request(cid.split("#")[0], item)
+                continue
+            if isinstance(item, tuple):  # ("rejected", (engine request id, message))
+                self._fail_request(item[1][0].split("#")[0], ValueError(item[1][1]))
+                continue
+            self._instance_outputs(inst, item)
+
+    def _instance_outputs(self, inst: Instance, out: EngineCoreOutputs) -> None:
+        if out.stats is not None:
+            inst.stats = out.stats
+            self._stats = self._aggregate_stats()
+        handoff = []
+        with self._lock:
+            outputs = []
+            for o in out.outputs:
+                route = self.routes.get(o.request_id)
+                if route is None or route.instance is not inst:
+                    continue  # aborted, or already moved elsewhere
+                if o.finished and inst.role == "prefill" and o.finish_reason == "length" and self._wants_more(route, o):
+                    o = replace(o, finish_reason=None)  # the cap was ours: decode goes on
+                    handoff.append(o.request_id)
+                if inst.role == "decode":
+                    o = replace(o, num_cached_tokens=0)  # the prefill stage reports what the prompt reused
+                if o.finished or o.request_id in handoff:
+                    inst.done(o.request_id)
+                if o.finished:
+                    self.routes.pop(o.request_id, None)
+                outputs.append(o)
+            self._on_outputs(EngineCoreOutputs(outputs))
+            for cid in handoff:
+                tokens = self._streamed_tokens(cid)
+                if tokens is None or cid not in self.routes:
+                    continue  # finished by a stop string, or aborted, meanwhile
+                inst.handed_off += 1
+                try:
+                    self._to_decode(cid, tokens)
+                except NoInstanceError as e:
+                    self._fail_request(cid.split("#")[0], e)
+
+    def _wants_more(self, route: Route, o) -> bool:
+        p, r = route.request.params, route.request
+        return (p.max_tokens is None or p.max_tokens > 1) and len(r.prompt_token_ids) + 1 < self.max_model_len
+
+    def _instance_died(self, inst: Instance) -> None:
+        inst.alive = False
+        with self._lock:
+            moved = [cid for cid, route in self.routes.items() if route.instance is inst]
+            inst.requests.clear()
+            for cid in moved:
+                route = self.routes[cid]
+                tokens = self._streamed_tokens(cid)
+                try:
+                    if tokens is None:
+                        self.routes.pop(cid, None)
+                    elif route.stage == "prefill" and not tokens:
+                        self._to_prefill(route.request)
+                    else:
+                        self._to_decode(cid, tokens)
+                except NoInstanceError as e:
+                    self.routes.pop(cid, None)
+                    self._fail_request(cid.split("#")[0], e)
+        if not any(i.alive for i in self.prefill) or not any(i.alive for i in self.decode):
+            self._dead = NoInstanceError(f"{inst.name} died and no {inst.role} instance is left")
+
+    def _aggregate_stats(self):
+        from matrixinfer.engine.messages import SchedulerStats
+
+        live = [i.stats for i in self.instances if i.alive]
+        total = SchedulerStats()
+        for s in live:
+            for k in ("num_running", "num_waiting", "prefix_cache_queries", "prefix_cache_hits", "external_cache_hits",
+                      "num_preemptions", "steps", "prefill_tokens", "decode_tokens"):
+                setattr(total, k, getattr(total, k) + getattr(s, k))
+        total.kv_cache_usage = max((s.kv_cache_usage for s in live), default=0.0)
+        return total
+
+    def shutdown(self) -> None:
+        for inst in self.instances:
+            inst.shutdown()
+        self._fail_all(RuntimeError("the engine is shutting down"))
+        if self._on_shutdown is not None:
+            self._on_shutdown()

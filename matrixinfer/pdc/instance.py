@@ -1,0 +1,48 @@
+"""One prefill or decode instance as the front end sees it: an engine core in a process of its
+own (titled `matrixinfer::prefill-0`, `matrixinfer::decode-1`, ...), the engine requests it
+holds, and the load the peer scheduler reads."""
+
+from __future__ import annotations
+
+from matrixinfer.config import EngineConfig
+from matrixinfer.engine.core_client import MPCoreClient
+from matrixinfer.engine.messages import EngineCoreRequest, SchedulerStats
+
+
+class Instance:
+    def __init__(self, role: str, index: int, config: EngineConfig):
+        self.role, self.index = role, index
+        self.name = f"{role}-{index}"
+        self.client = MPCoreClient(config, title=f"matrixinfer::{self.name}")
+        self.alive = True
+        self.requests: dict[str, int] = {}  # engine request id -> its prompt tokens (queued work)
+        self.stats = SchedulerStats()
+        self.handed_off = 0  # requests this (prefill) instance passed to decode
+
+    @property
+    def queued_prompt_tokens(self) -> int:
+        return sum(self.requests.values())
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.requests)
+
+    def add(self, req: EngineCoreRequest) -> None:
+        self.requests[req.request_id] = len(req.prompt_token_ids)
+        self.client.add_request(req)
+
+    def done(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+
+    def abort(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.requests.pop(rid, None)
+        if self.alive and request_ids:
+            try:
+                self.client.abort_requests(request_ids)
+            except OSError:
+                pass  # it died: its dispatcher is about to say so
+
+    def shutdown(self) -> None:
+        self.alive = False
+        self.client.shutdown()

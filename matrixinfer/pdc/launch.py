@@ -1,0 +1,51 @@
+"""Start a whole P/D/C stack on this machine: an EMS pool (controller + MP servers, real
+processes), N prefill and M decode instances (each an engine core process with its workers),
+and the PDC front end that serving's HTTP API talks to."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from dataclasses import replace
+
+from matrixinfer.config import EngineConfig, KVTransferConfig
+from matrixinfer.pdc.client import PDCClient
+
+
+def start_pdc(base: EngineConfig, prefill_instances: int = 1, decode_instances: int = 1, ems_servers: int = 1,
+              ems_controller: str | None = None, router: str = "least-loaded", model_name: str | None = None,
+              ems_dram_mb: int = 256) -> PDCClient:
+    """`ems_controller`: join an existing EMS pool; otherwise start one with `ems_servers`
+    MP servers, owned by the returned client (its shutdown() stops it)."""
+    if prefill_instances < 1 or decode_instances < 1:
+        raise ValueError("a PDC stack needs at least one prefill and one decode instance")
+    cluster, root = None, None
+    if ems_controller is None:
+        if ems_servers < 1:
+            raise ValueError("the KV hand-off goes through EMS: give --ems-servers >= 1 or --ems-controller")
+        from matrixinfer.ems import LocalCluster
+
+        root = tempfile.mkdtemp(prefix="matrixinfer-ems-")
+        cluster = LocalCluster(n_servers=ems_servers, root=root, dram_bytes=ems_dram_mb << 20)
+        try:
+            cluster.start()
+        except BaseException:
+            cluster.close()
+            shutil.rmtree(root, ignore_errors=True)
+            raise
+        ems_controller = cluster.controller
+
+    def stop_cluster() -> None:
+        if cluster is not None:
+            cluster.close()
+            shutil.rmtree(root, ignore_errors=True)
+
+    kv = KVTransferConfig(connector="ems", ems_controller=ems_controller, ems_namespace=base.kv_transfer.ems_namespace)
+    cfg = replace(base, kv_transfer=kv)
+    try:
+        client = PDCClient([cfg] * prefill_instances, [cfg] * decode_instances, model_name, router, stop_cluster)
+        client.ems_cluster = cluster  # None when it joined an existing pool
+        return client
+    except BaseException:
+        stop_cluster()
+        raise
