@@ -64,7 +64,8 @@ def _core_main(config: EngineConfig, conn, title: str) -> None:
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         return
-    conn.send(("ready", (core.max_model_len, core.vocab_size)))
+    info = core.executor.info
+    conn.send(("ready", (core.max_model_len, core.vocab_size, info.kv_bytes_per_block / config.cache.block_size)))
     try:
         while True:
             if not core.has_unfinished_requests():
@@ -127,7 +128,7 @@ class MPCoreClient:
         if kind == "error":
             self.shutdown()
             raise RuntimeError(f"the engine core failed to start:\n{payload}")
-        self.max_model_len, self.vocab_size = payload
+        self.max_model_len, self.vocab_size, self.kv_bytes_per_token = payload
         self._send_lock = threading.Lock()
         self.outputs: queue.Queue = queue.Queue()
         self._reader = threading.Thread(target=self._read, name="engine-core-reader", daemon=True)

@@ -11,6 +11,7 @@ class ExecutorInfo:
     max_model_len: int
     kv_dtype: str
     vocab_size: int
+    kv_bytes_per_block: int = 0  # one block's latent KV over all layers (what a hand-off moves)
 
 
 def make_executor(config):

@@ -129,7 +129,7 @@ class AsyncLLM:
         finished = False
         try:
             self._submit(reqs)
-        except OSError as e:  # the core's pipe is closed: it died
+        except (OSError, RuntimeError) as e:  # the core's pipe is closed, or no instance can take it
             await self.abort(rid)
             raise RuntimeError(f"the engine is not running: {e}") from None
         try:

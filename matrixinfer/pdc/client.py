@@ -17,7 +17,9 @@ Hand-off protocol (per sample of a request; docs/pdc.md has the failure cases):
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -29,8 +31,30 @@ from matrixinfer.pdc.instance import Instance
 from matrixinfer.pdc.router import make_router
 
 
+log = logging.getLogger(__name__)
+HANDOFF_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
 class NoInstanceError(RuntimeError):
     pass
+
+
+class HandoffLatency:
+    """Time from a sample's first token (prefill) to its second (decode): the hand-off as
+    the client sees it, including the decode instance loading the KV from EMS."""
+
+    buckets = HANDOFF_BUCKETS
+
+    def __init__(self):
+        self.counts = [0] * len(HANDOFF_BUCKETS)
+        self.total, self.sum = 0, 0.0
+
+    def observe(self, seconds: float) -> None:
+        for i, b in enumerate(HANDOFF_BUCKETS):
+            if seconds <= b:
+                self.counts[i] += 1
+        self.total += 1
+        self.sum += seconds
 
 
 @dataclass
@@ -38,11 +62,12 @@ class Route:
     request: EngineCoreRequest  # the sample as the front end made it
     stage: str  # "prefill" | "decode"
     instance: Instance
+    handed_at: float | None = None  # when decode took it over after the first token
 
 
 class PDCClient(AsyncLLM):
     def __init__(self, prefill: list[EngineConfig], decode: list[EngineConfig], model_name: str | None = None,
-                 router: str = "least-loaded", on_shutdown=None):
+                 router: str = "least-loaded", on_shutdown=None, restart_instances: bool = True):
         roles = [("prefill", i, c) for i, c in enumerate(prefill)] + [("decode", i, c) for i, c in enumerate(decode)]
         with ThreadPoolExecutor(len(roles)) as pool:  # instances load their models in parallel
             futures = [pool.submit(Instance, *r) for r in roles]
@@ -61,10 +86,15 @@ class PDCClient(AsyncLLM):
         self.router = make_router(router, decode[0].cache.block_size)
         self.routes: dict[str, Route] = {}
         self._on_shutdown = on_shutdown
-        self._threads = [threading.Thread(target=self._dispatch_instance, args=(i,), name=f"pdc-{i.name}",
-                                          daemon=True) for i in instances]
-        for t in self._threads:
-            t.start()
+        self.restart_instances = restart_instances
+        self._closing = False
+        self.handoff_latency = HandoffLatency()
+        self.kv_bytes_per_token = first.kv_bytes_per_token
+        for inst in instances:
+            self._watch(inst)
+
+    def _watch(self, inst: Instance) -> None:
+        threading.Thread(target=self._dispatch_instance, args=(inst,), name=f"pdc-{inst.name}", daemon=True).start()
 
     @property
     def instances(self) -> list[Instance]:
@@ -97,7 +127,7 @@ class PDCClient(AsyncLLM):
         params = replace(p, max_tokens=None if p.max_tokens is None else p.max_tokens - n,
                          min_tokens=max(0, p.min_tokens - n))
         inst = self.router.choose_decode(alive)
-        self.routes[child_id] = Route(r, "decode", inst)
+        self.routes[child_id] = Route(r, "decode", inst, time.monotonic() if n == 1 else None)
         inst.add(replace(r, prompt_token_ids=r.prompt_token_ids + tokens, params=params))
 
     def _abort_children(self, child_ids: list[str]) -> None:
@@ -143,6 +173,9 @@ class PDCClient(AsyncLLM):
                     handoff.append(o.request_id)
                 if inst.role == "decode":
                     o = replace(o, num_cached_tokens=0)  # the prefill stage reports what the prompt reused
+                    if route.handed_at is not None and o.new_token_ids:
+                        self.handoff_latency.observe(time.monotonic() - route.handed_at)
+                        route.handed_at = None
                 if o.finished or o.request_id in handoff:
                     inst.done(o.request_id)
                 if o.finished:
@@ -181,8 +214,25 @@ class PDCClient(AsyncLLM):
                 except NoInstanceError as e:
                     self.routes.pop(cid, None)
                     self._fail_request(cid.split("#")[0], e)
-        if not any(i.alive for i in self.prefill) or not any(i.alive for i in self.decode):
-            self._dead = NoInstanceError(f"{inst.name} died and no {inst.role} instance is left")
+        log.warning("%s (pid %d) died; %d request(s) moved", inst.name, inst.pid, len(moved))
+        if self.restart_instances and not self._closing:
+            threading.Thread(target=self.restart, args=(inst,), name=f"restart-{inst.name}", daemon=True).start()
+
+    def restart(self, inst: Instance) -> Instance:
+        """Start a fresh process for a dead instance; it rejoins (same role and name) and takes load."""
+        new = Instance(inst.role, inst.index, inst.config, inst.restarts + 1)
+        with self._lock:
+            group = self.prefill if inst.role == "prefill" else self.decode
+            group[group.index(inst)] = new
+            if self._closing:
+                new.shutdown()
+                return new
+        self._watch(new)
+        log.warning("%s restarted (pid %d)", new.name, new.pid)
+        return new
+
+    def role_stats(self) -> list[dict]:
+        return [i.info() for i in self.instances]
 
     def _aggregate_stats(self):
         from matrixinfer.engine.messages import SchedulerStats
@@ -197,6 +247,7 @@ class PDCClient(AsyncLLM):
         return total
 
     def shutdown(self) -> None:
+        self._closing = True
         for inst in self.instances:
             inst.shutdown()
         self._fail_all(RuntimeError("the engine is shutting down"))

@@ -10,14 +10,26 @@ from matrixinfer.engine.messages import EngineCoreRequest, SchedulerStats
 
 
 class Instance:
-    def __init__(self, role: str, index: int, config: EngineConfig):
-        self.role, self.index = role, index
+    def __init__(self, role: str, index: int, config: EngineConfig, restarts: int = 0):
+        self.role, self.index, self.config, self.restarts = role, index, config, restarts
         self.name = f"{role}-{index}"
         self.client = MPCoreClient(config, title=f"matrixinfer::{self.name}")
         self.alive = True
         self.requests: dict[str, int] = {}  # engine request id -> its prompt tokens (queued work)
         self.stats = SchedulerStats()
         self.handed_off = 0  # requests this (prefill) instance passed to decode
+
+    @property
+    def pid(self) -> int:
+        return self.client.proc.pid
+
+    def info(self) -> dict:
+        """What /health and /metrics show of this instance."""
+        s = self.stats
+        return {"role": self.role, "instance": self.name, "alive": self.alive, "pid": self.pid,
+                "requests": self.num_requests, "queued_prompt_tokens": self.queued_prompt_tokens,
+                "running": s.num_running, "waiting": s.num_waiting, "kv_cache_usage": s.kv_cache_usage,
+                "handed_off": self.handed_off, "kv_loaded_tokens": s.external_cache_hits, "restarts": self.restarts}
 
     @property
     def queued_prompt_tokens(self) -> int:

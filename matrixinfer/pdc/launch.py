@@ -14,7 +14,7 @@ from matrixinfer.pdc.client import PDCClient
 
 def start_pdc(base: EngineConfig, prefill_instances: int = 1, decode_instances: int = 1, ems_servers: int = 1,
               ems_controller: str | None = None, router: str = "least-loaded", model_name: str | None = None,
-              ems_dram_mb: int = 256) -> PDCClient:
+              ems_dram_mb: int = 256, restart_instances: bool = True) -> PDCClient:
     """`ems_controller`: join an existing EMS pool; otherwise start one with `ems_servers`
     MP servers, owned by the returned client (its shutdown() stops it)."""
     if prefill_instances < 1 or decode_instances < 1:
@@ -43,7 +43,8 @@ def start_pdc(base: EngineConfig, prefill_instances: int = 1, decode_instances: 
     kv = KVTransferConfig(connector="ems", ems_controller=ems_controller, ems_namespace=base.kv_transfer.ems_namespace)
     cfg = replace(base, kv_transfer=kv)
     try:
-        client = PDCClient([cfg] * prefill_instances, [cfg] * decode_instances, model_name, router, stop_cluster)
+        client = PDCClient([cfg] * prefill_instances, [cfg] * decode_instances, model_name, router, stop_cluster,
+                           restart_instances)
         client.ems_cluster = cluster  # None when it joined an existing pool
         return client
     except BaseException:

@@ -306,7 +306,7 @@ class _Meter:
         s.metrics.observe(self.tenant.name, u["prompt_tokens"], u["completion_tokens"],
                           None if first is None else first - self.arrival, time.monotonic() - self.arrival,
                           max((len(o.token_ids) for o in out.outputs), default=0),
-                          [o.finish_reason for o in out.outputs])
+                          [o.finish_reason for o in out.outputs], u["prompt_tokens_details"]["cached_tokens"])
 
 
 def build_app(engine: EngineClient, tenants: TenantStore | None = None, ledger: UsageLedger | None = None,
@@ -413,7 +413,15 @@ def build_app(engine: EngineClient, tenants: TenantStore | None = None, ledger: 
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": engine.model_name}
+        if not hasattr(engine, "role_stats"):
+            return {"status": "ok", "model": engine.model_name}
+        # PDC: serving needs a live instance of each role; a dead one that is restarting is "degraded"
+        roles = engine.role_stats()
+        up = {r: any(i["alive"] for i in roles if i["role"] == r) for r in ("prefill", "decode")}
+        status = "ok" if all(i["alive"] for i in roles) else "degraded" if all(up.values()) else "down"
+        body = {"status": status, "model": engine.model_name,
+                "roles": [{k: i[k] for k in ("role", "instance", "alive", "pid", "requests", "restarts")} for i in roles]}
+        return JSONResponse(body, status_code=200 if status != "down" else 503)
 
     @app.get("/metrics", response_class=Response)
     async def metrics():

@@ -5,7 +5,7 @@ latencies and tokens are observed by the API as requests finish."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 P = "matrixinfer:"
 disable_created_metrics()  # no *_created series, as in vLLM
@@ -35,6 +35,47 @@ class _EngineCollector:
             c = CounterMetricFamily(P + name, doc, labels=["model_name"])
             c.add_metric(model, value)
             yield c
+        if hasattr(self.engine, "role_stats"):  # a PDC front end: per-role instances and the hand-off
+            yield from _pdc_metrics(self.engine, model[0])
+
+
+# name -> (kind, help, key of Instance.info())
+PDC_INSTANCE_METRICS = {
+    "pdc_instance_up": ("gauge", "1 if the instance's process is alive.", "alive"),
+    "pdc_requests": ("gauge", "Requests the front end has on the instance.", "requests"),
+    "pdc_queued_prompt_tokens": ("gauge", "Prompt tokens on the instance not yet through prefill.",
+                                 "queued_prompt_tokens"),
+    "pdc_num_requests_running": ("gauge", "Sequences the instance is computing.", "running"),
+    "pdc_num_requests_waiting": ("gauge", "Sequences waiting on the instance.", "waiting"),
+    "pdc_kv_cache_usage_perc": ("gauge", "The instance's KV-cache usage, 1 means 100 percent.", "kv_cache_usage"),
+    "pdc_handoffs": ("counter", "Requests a prefill instance handed to decode.", "handed_off"),
+    "pdc_kv_loaded_tokens": ("counter", "Tokens whose KV the instance loaded from EMS instead of computing.",
+                             "kv_loaded_tokens"),
+    "pdc_instance_restarts": ("counter", "Times the instance's process was restarted.", "restarts"),
+}
+
+
+def _pdc_metrics(engine, model: str):
+    infos = engine.role_stats()
+    for name, (kind, doc, key) in PDC_INSTANCE_METRICS.items():
+        family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+        m = family(P + name, doc, labels=["model_name", "role", "instance"])
+        for info in infos:
+            m.add_metric([model, info["role"], info["instance"]], float(info[key]))
+        yield m
+    loaded = sum(i["kv_loaded_tokens"] for i in infos if i["role"] == "decode")
+    c = CounterMetricFamily(P + "pdc_kv_handoff_bytes", "Latent KV bytes decode instances loaded from EMS.",
+                            labels=["model_name"])
+    c.add_metric([model], loaded * engine.kv_bytes_per_token)
+    yield c
+    h = engine.handoff_latency
+    buckets = [(str(b), c) for b, c in zip(h.buckets, h.counts)] + [("+Inf", h.total)]
+    fam = HistogramMetricFamily(P + "pdc_kv_handoff_seconds", "From a request's first token (prefill) to its "
+                                "second (decode): the hand-off through EMS as the client sees it.",
+                                labels=["model_name"])
+    fam.add_metric([model], buckets, h.sum)
+    yield fam
+
 
 
 class ServingMetrics:
@@ -56,13 +97,17 @@ class ServingMetrics:
                                        registry=r)
         self.request_rejected = Counter(P + "request_rejected", "Requests refused before admission.",
                                         ["model_name", "reason"], registry=r)
+        self.cached_prompt_tokens = Counter(P + "prompt_tokens_cached", "Prompt tokens served from the prefix "
+                                            "cache (local or the EMS pool), per tenant.", ["model_name", "tenant"],
+                                            registry=r)
         r.register(_EngineCollector(engine))
 
     def observe(self, tenant: str, prompt_tokens: int, completion_tokens: int, ttft: float | None, e2e: float,
-                longest_choice: int, finish_reasons: list[str | None]) -> None:
+                longest_choice: int, finish_reasons: list[str | None], cached_tokens: int = 0) -> None:
         """One finished request. TPOT is over the longest choice (n > 1 choices decode together)."""
         m = self.model_name
         self.prompt_tokens.labels(m, tenant).inc(prompt_tokens)
+        self.cached_prompt_tokens.labels(m, tenant).inc(cached_tokens)
         self.generation_tokens.labels(m, tenant).inc(completion_tokens)
         self.e2e.labels(m).observe(e2e)
         if ttft is not None:

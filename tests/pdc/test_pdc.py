@@ -25,9 +25,9 @@ ENGINE = dict(dtype="float32", block_size=4, max_num_batched_tokens=16, max_mode
 PROMPTS = ["def parse(line):\n    return line.split(',')\n\n\ndef main", "import os\nimport sys\n", "class A:"]
 
 
-def _stack(checkpoint, prefill, decode, router="least-loaded"):
+def _stack(checkpoint, prefill, decode, router="least-loaded", restart=True):
     base = EngineConfig.from_kwargs(str(checkpoint), **ENGINE)
-    return start_pdc(base, prefill, decode, ems_servers=1, router=router, model_name="tiny")
+    return start_pdc(base, prefill, decode, ems_servers=1, router=router, model_name="tiny", restart_instances=restart)
 
 
 def _serve(client, tmp_path):
@@ -128,7 +128,7 @@ def test_tenants_are_namespaces_with_no_cross_tenant_hits(stack, tmp_path):
 
 @pytest.fixture
 def failover_stack(text_checkpoint, tmp_path):
-    client = _stack(text_checkpoint[0], prefill=2, decode=2, router="round-robin")
+    client = _stack(text_checkpoint[0], prefill=2, decode=2, router="round-robin", restart=False)
     server, tenants, ledger = _serve(client, tmp_path)
     try:
         yield client, server
@@ -179,6 +179,46 @@ def test_instances_killed_mid_stream_and_with_none_left(failover_stack, referenc
     r = httpx.post(server.url + "/v1/completions", json={"prompt": p, "max_tokens": 8}, timeout=60)
     assert r.status_code >= 500 and "decode instance" in r.text
     assert time.monotonic() - t < 30
+
+
+def test_roles_are_visible_in_ps_health_and_metrics(stack):
+    """Each role's process is titled for `ps`; /health lists the roles; every series the
+    shipped Grafana dashboard plots is on /metrics."""
+    import json
+    import re
+    from pathlib import Path
+
+    client, server, tenants = stack
+    for inst in client.instances:
+        cmdline = Path(f"/proc/{inst.pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        assert cmdline.startswith(f"matrixinfer::{inst.name}")
+    health = httpx.get(server.url + "/health").json()
+    assert health["status"] == "ok" and {r["instance"] for r in health["roles"]} == {"prefill-0", "decode-0"}
+    metrics = httpx.get(server.url + "/metrics").text
+    exposed = set(re.findall(r"^(matrixinfer:[a-z_]+)", metrics, re.M))
+    dashboard = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "matrixinfer-pdc.json"
+    exprs = [t["expr"] for p in json.loads(dashboard.read_text())["panels"] for t in p["targets"]]
+    plotted = {m for e in exprs for m in re.findall(r"matrixinfer:[a-z_]+", e)}
+    assert plotted and plotted <= exposed, plotted - exposed
+    assert 'matrixinfer:pdc_kv_handoff_seconds_count{model_name="tiny"} 0.0' not in metrics  # hand-offs observed
+
+
+def test_a_killed_instance_restarts_rejoins_and_takes_load(stack, reference):
+    """kill -9 the only decode instance: the front end starts a new process for it, /health
+    says degraded until it is back, and then it serves requests."""
+    client, server, tenants = stack
+    auth = {"Authorization": f"Bearer {tenants.add_key('tenant-r')}"}
+    old = client.decode[0]
+    _kill(old)
+    deadline = time.monotonic() + 120
+    while not (client.decode[0] is not old and client.decode[0].alive):
+        assert time.monotonic() < deadline, "decode-0 did not come back"
+        time.sleep(0.2)
+    new = client.decode[0]
+    assert new.pid != old.pid and new.restarts == 1
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+    assert _complete(server, PROMPTS[1], headers=auth)[0] == reference[PROMPTS[1]]
+    assert new.stats.decode_tokens > 0
 
 
 def test_a_killed_ems_server_costs_recomputation_not_requests(stack, reference):
