@@ -221,6 +221,8 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "cpu"
     seed: int = 0
+    load_format: str = "disk"  # "disk" | "ems": weights through the EMS model cache (one copy in the pool)
+    model_source_mbps: float = 0.0  # with "ems": read the model directory at this cap (a stand-in for object storage)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -248,7 +250,7 @@ class EngineConfig:
         cfg = cls(model=str(model))
         sections = {"kv_transfer_config": "kv_transfer", "speculative_config": "speculative"}
         for key, value in kwargs.items():
-            if key in ("dtype", "device", "seed"):
+            if key in ("dtype", "device", "seed", "load_format", "model_source_mbps"):
                 setattr(cfg, key, value)
             elif key in cls._FLAT:
                 section, name = cls._FLAT[key]
@@ -277,6 +279,8 @@ class EngineConfig:
             raise ValueError(f"unknown kv connector {self.kv_transfer.connector!r} (supported: ems)")
         if self.kv_transfer.connector == "ems" and not self.kv_transfer.ems_controller:
             raise ValueError("the ems kv connector needs ems_controller HOST:PORT")
+        if self.load_format not in ("disk", "ems"):
+            raise ValueError(f"unknown load_format {self.load_format!r} (disk, ems)")
         if self.speculative.method is not None:
             raise ValueError("speculative decoding is not built yet")
         if self.quantization.method is not None:
@@ -299,6 +303,10 @@ class EngineConfig:
         p.add_argument("--kv-connector", default=None, choices=["ems"])
         p.add_argument("--ems-controller", default=None, help="HOST:PORT of the EMS controller")
         p.add_argument("--seed", type=int, default=None)
+        p.add_argument("--load-format", default="disk", choices=["disk", "ems"],
+                       help="ems: instances load weights through the EMS model cache (one copy in the pool)")
+        p.add_argument("--model-source-mbps", type=float, default=0.0,
+                       help="with --load-format ems: read the model directory at this many MB/s (object storage)")
         p.add_argument("--deployment", default=None,
                        help="a deployment YAML (see matrixinfer/deployment.py): model, dtype and parallel sizes "
                             "from the file that `matrixinfer simulate deployment` reads")
@@ -332,7 +340,8 @@ class EngineConfig:
                   block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
                   enable_prefix_caching=not args.no_prefix_caching, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                  distributed_executor_backend=args.distributed_executor_backend, kv_transfer_config=kv)
+                  distributed_executor_backend=args.distributed_executor_backend, kv_transfer_config=kv,
+                  load_format=args.load_format, model_source_mbps=args.model_source_mbps)
         if args.deployment:
             from matrixinfer.deployment import load_deployment
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import queue
 import threading
+import time
 import traceback
 import weakref
 from multiprocessing.connection import wait
@@ -65,7 +66,8 @@ def _core_main(config: EngineConfig, conn, title: str) -> None:
         conn.send(("error", traceback.format_exc()))
         return
     info = core.executor.info
-    conn.send(("ready", (core.max_model_len, core.vocab_size, info.kv_bytes_per_block / config.cache.block_size)))
+    conn.send(("ready", (core.max_model_len, core.vocab_size, info.kv_bytes_per_block / config.cache.block_size,
+                         info.weights)))
     try:
         while True:
             if not core.has_unfinished_requests():
@@ -114,6 +116,7 @@ class MPCoreClient:
     (EngineCoreOutputs, ("rejected", (request id, message))) or an exception when it dies."""
 
     def __init__(self, config: EngineConfig, start_timeout_s: float = 300.0, title: str = "matrixinfer::engine-core"):
+        started = time.monotonic()
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_core_main, args=(config, child, title), name=title, daemon=True)
@@ -128,7 +131,8 @@ class MPCoreClient:
         if kind == "error":
             self.shutdown()
             raise RuntimeError(f"the engine core failed to start:\n{payload}")
-        self.max_model_len, self.vocab_size, self.kv_bytes_per_token = payload
+        self.max_model_len, self.vocab_size, self.kv_bytes_per_token, self.weights_report = payload
+        self.start_seconds = time.monotonic() - started
         self._send_lock = threading.Lock()
         self.outputs: queue.Queue = queue.Queue()
         self._reader = threading.Thread(target=self._read, name="engine-core-reader", daemon=True)

@@ -12,6 +12,7 @@ class ExecutorInfo:
     kv_dtype: str
     vocab_size: int
     kv_bytes_per_block: int = 0  # one block's latent KV over all layers (what a hand-off moves)
+    weights: dict | None = None  # rank 0's model-cache load report (load_format "ems")
 
 
 def make_executor(config):

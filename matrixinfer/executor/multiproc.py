@@ -19,7 +19,6 @@ from multiprocessing.connection import wait
 
 from matrixinfer.config import EngineConfig
 from matrixinfer.engine.scheduler import ModelRunnerOutput, SchedulerOutput
-from matrixinfer.executor.base import ExecutorInfo
 
 
 def _free_port() -> int:
@@ -29,17 +28,13 @@ def _free_port() -> int:
 
 
 def _worker_main(config: EngineConfig, rank: int, world_size: int, init_method: str, conn) -> None:
-    from matrixinfer.worker.model_runner import ModelRunner
     from matrixinfer.worker.worker import Worker, worker_env_threads
 
     worker = None
     try:
         worker_env_threads(world_size)
         worker = Worker(config, rank, world_size, init_method)
-        m = worker.model
-        conn.send(("ready", ExecutorInfo(worker.num_blocks, worker.max_model_len,
-                                         str(m.lm_head.weight.dtype).removeprefix("torch."), m.config.vocab_size,
-                                 ModelRunner.cache_bytes_per_block(m, config.cache.block_size))))
+        conn.send(("ready", worker.info()))
         while True:
             data = conn.recv_bytes()
             sched = pickle.loads(data)

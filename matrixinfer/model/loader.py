@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import json
 import re
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from safetensors import safe_open
@@ -83,6 +85,32 @@ def _target_name(name: str, cfg: ModelConfig, with_mtp: bool) -> str | None:
     return name
 
 
+class _Tensors:
+    """Checkpoint tensors already in memory (e.g. from the EMS model cache) with the part of
+    safetensors' safe_open surface the loader uses."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def keys(self):
+        return self.tensors.keys()
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    def get_slice(self, name: str):
+        return SimpleNamespace(get_dtype=lambda: str(self.tensors[name].dtype))
+
+
+@contextmanager
+def _opened(files: list[Path], weights: dict | None):
+    if weights is not None:
+        yield [_Tensors(weights)]
+        return
+    with ExitStack() as stack:
+        yield [stack.enter_context(safe_open(str(p), framework="pt", device="cpu")) for p in files]
+
+
 def load_model(
     model_dir: str | Path,
     dtype: str | torch.dtype = "auto",
@@ -90,18 +118,20 @@ def load_model(
     expert_ids: list[int] | None = None,
     with_mtp: bool = True,
     quant_config: QuantizationConfig | None = None,
+    weights: dict[str, torch.Tensor] | None = None,
 ) -> DeepseekForCausalLM:
     """This tensor-parallel rank's shard of the model (parallel/state.py; the whole model in
-    one process). quant_config chooses how linear layers store weights (None: unquantized)."""
+    one process). quant_config chooses how linear layers store weights (None: unquantized).
+    weights: the checkpoint's tensors already in memory (the EMS model cache) instead of
+    reading the directory's safetensors files (config.json still comes from model_dir)."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_pretrained(model_dir)
     torch_dtype = resolve_dtype(dtype, cfg)
-    files = checkpoint_files(model_dir)
+    files = checkpoint_files(model_dir) if weights is None else []
     # MTP weights are optional: transformers' save_pretrained drops them, DeepSeek ships them.
     mtp_prefix = f"model.layers.{cfg.num_hidden_layers}."
-    with_mtp = with_mtp and cfg.num_nextn_predict_layers > 0 and any(
-        k.startswith(mtp_prefix) for path in files for k in _keys(path)
-    )
+    keys = list(weights) if weights is not None else [k for path in files for k in _keys(path)]
+    with_mtp = with_mtp and cfg.num_nextn_predict_layers > 0 and any(k.startswith(mtp_prefix) for k in keys)
     with torch.device("meta"):
         model = DeepseekForCausalLM(cfg, expert_ids, with_mtp, quant_config).to(torch_dtype)
     for router in model.modules():
@@ -133,8 +163,8 @@ def load_model(
             raise CheckpointError(f"tensor {source!r}: {e}") from None
         loaded.add(name)
 
-    for path in files:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+    with _opened(files, weights) as opened:
+        for f in opened:
             for source in f.keys():
                 if "float8" in str(f.get_slice(source).get_dtype()).lower() or source.endswith("weight_scale_inv"):
                     raise CheckpointError(f"tensor {source!r} is FP8-quantized: dequantize the checkpoint to bf16 first")

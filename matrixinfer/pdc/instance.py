@@ -29,7 +29,8 @@ class Instance:
         return {"role": self.role, "instance": self.name, "alive": self.alive, "pid": self.pid,
                 "requests": self.num_requests, "queued_prompt_tokens": self.queued_prompt_tokens,
                 "running": s.num_running, "waiting": s.num_waiting, "kv_cache_usage": s.kv_cache_usage,
-                "handed_off": self.handed_off, "kv_loaded_tokens": s.external_cache_hits, "restarts": self.restarts}
+                "handed_off": self.handed_off, "kv_loaded_tokens": s.external_cache_hits, "restarts": self.restarts,
+                "start_seconds": self.client.start_seconds, "weights": self.client.weights_report}
 
     @property
     def queued_prompt_tokens(self) -> int:

@@ -420,7 +420,8 @@ def build_app(engine: EngineClient, tenants: TenantStore | None = None, ledger: 
         up = {r: any(i["alive"] for i in roles if i["role"] == r) for r in ("prefill", "decode")}
         status = "ok" if all(i["alive"] for i in roles) else "degraded" if all(up.values()) else "down"
         body = {"status": status, "model": engine.model_name,
-                "roles": [{k: i[k] for k in ("role", "instance", "alive", "pid", "requests", "restarts")} for i in roles]}
+                "roles": [{k: i[k] for k in ("role", "instance", "alive", "pid", "requests", "restarts", "start_seconds")}
+                          for i in roles]}
         return JSONResponse(body, status_code=200 if status != "down" else 503)
 
     @app.get("/metrics", response_class=Response)

@@ -45,13 +45,40 @@ class Worker:
             torch.cuda.set_device(self.device)
         if world_size > 1:
             self._init_distributed(init_method)
-        self.model = load_model(config.model, dtype=config.dtype, device=self.device)
+        self.load_report = None  # how the weights came in, with load_format "ems"
+        self.model = self._load()
         self.max_model_len = max_model_len_of(config, self.model.config.max_position_embeddings)
         self.num_blocks = num_kv_blocks(config, self.model, self.max_model_len)
         self.runner = ModelRunner(self.model, self.num_blocks, config.cache.block_size, self.device)
         self.connector = make_worker_connector(config.kv_transfer, rank)
         if self.connector is not None:
             self.connector.register_kv_cache(self.runner.kv_cache)
+
+    def info(self):
+        """What the executor tells the engine core about this rank once it is up."""
+        from matrixinfer.executor.base import ExecutorInfo
+
+        m = self.model
+        return ExecutorInfo(self.num_blocks, self.max_model_len, str(m.lm_head.weight.dtype).removeprefix("torch."),
+                            m.config.vocab_size, ModelRunner.cache_bytes_per_block(m, self.config.cache.block_size),
+                            self.load_report and vars(self.load_report))
+
+    def _load(self):
+        if self.config.load_format != "ems":
+            return load_model(self.config.model, dtype=self.config.dtype, device=self.device)
+        from matrixinfer.ems.client import EMSClient
+        from matrixinfer.ems.model_cache import ModelCache, ThrottledSource
+
+        if not self.config.kv_transfer.ems_controller:
+            raise ValueError("load_format ems needs an EMS controller (--ems-controller / kv_transfer_config)")
+        source = ThrottledSource(self.config.model, self.config.model_source_mbps * 1e6)
+        with EMSClient(self.config.kv_transfer.ems_controller, namespace="models") as client:
+            cache = ModelCache(client, source, model_name=str(self.config.model))
+            try:
+                tensors, self.load_report = cache.load()
+                return load_model(self.config.model, dtype=self.config.dtype, device=self.device, weights=tensors)
+            finally:
+                cache.close()
 
     def _init_distributed(self, init_method: str) -> None:
         import torch.distributed as dist

@@ -22,11 +22,12 @@ from tests.serving.conftest import LiveServer
 
 pytestmark = pytest.mark.slow
 ENGINE = dict(dtype="float32", block_size=4, max_num_batched_tokens=16, max_model_len=128)
+MODEL_CACHE = dict(load_format="ems")  # the main stack's instances load their weights through EMS
 PROMPTS = ["def parse(line):\n    return line.split(',')\n\n\ndef main", "import os\nimport sys\n", "class A:"]
 
 
-def _stack(checkpoint, prefill, decode, router="least-loaded", restart=True):
-    base = EngineConfig.from_kwargs(str(checkpoint), **ENGINE)
+def _stack(checkpoint, prefill, decode, router="least-loaded", restart=True, **extra):
+    base = EngineConfig.from_kwargs(str(checkpoint), **ENGINE, **extra)
     return start_pdc(base, prefill, decode, ems_servers=1, router=router, model_name="tiny", restart_instances=restart)
 
 
@@ -72,7 +73,7 @@ def reference(text_checkpoint):
 
 @pytest.fixture(scope="module")
 def stack(text_checkpoint, tmp_path_factory):
-    client = _stack(text_checkpoint[0], prefill=1, decode=1)
+    client = _stack(text_checkpoint[0], prefill=1, decode=1, **MODEL_CACHE)
     server, tenants, ledger = _serve(client, tmp_path_factory.mktemp("pdc"))
     yield client, server, tenants
     server.stop()
@@ -189,6 +190,9 @@ def test_roles_are_visible_in_ps_health_and_metrics(stack):
     from pathlib import Path
 
     client, server, tenants = stack
+    # model cache: the two instances loaded concurrently and the directory was read once
+    reports = [i.client.weights_report for i in client.instances]
+    assert sum(r["bytes_from_source"] for r in reports) == reports[0]["bytes_total"]
     for inst in client.instances:
         cmdline = Path(f"/proc/{inst.pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
         assert cmdline.startswith(f"matrixinfer::{inst.name}")
@@ -216,6 +220,8 @@ def test_a_killed_instance_restarts_rejoins_and_takes_load(stack, reference):
         time.sleep(0.2)
     new = client.decode[0]
     assert new.pid != old.pid and new.restarts == 1
+    # warm start: every weight byte came from the EMS model cache, none from the model directory
+    assert new.client.weights_report["bytes_from_source"] == 0 and new.client.weights_report["bytes_from_pool"] > 0
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
     assert _complete(server, PROMPTS[1], headers=auth)[0] == reference[PROMPTS[1]]
     assert new.stats.decode_tokens > 0
