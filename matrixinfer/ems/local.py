@@ -53,10 +53,10 @@ class LocalCluster:
     def controller(self) -> str:
         return self.ctl.addr
 
-    def _spawn(self, args: list[str], log: str) -> Proc:
+    def _spawn(self, args: list[str], log: str, **popen_kwargs) -> Proc:
         argv = [sys.executable, "-m", "matrixinfer.ems", *args]
         err = open(os.path.join(self.root, log), "ab")
-        p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL)
+        p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, **popen_kwargs)
         err.close()
         deadline = time.monotonic() + 30
         line = b""

@@ -8,6 +8,7 @@ Both clients have the same surface: add_request, abort_requests, get_outputs, sh
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue
 import threading
 import time
@@ -67,7 +68,7 @@ def _core_main(config: EngineConfig, conn, title: str) -> None:
         return
     info = core.executor.info
     conn.send(("ready", (core.max_model_len, core.vocab_size, info.kv_bytes_per_block / config.cache.block_size,
-                         info.weights)))
+                         info.weights, os.getpid())))
     try:
         while True:
             if not core.has_unfinished_requests():
@@ -111,27 +112,25 @@ def _stop_core(proc, conn) -> None:
     conn.close()
 
 
-class MPCoreClient:
-    """The core in its own process. A reader thread puts what the core sends on `outputs`
-    (EngineCoreOutputs, ("rejected", (request id, message))) or an exception when it dies."""
+class RemoteCoreClient:
+    """An engine core elsewhere (another process here, or a Ray actor on another machine)
+    behind a multiprocessing Connection. A reader thread puts what the core sends on `outputs`
+    (EngineCoreOutputs, ("rejected", (request id, message))) or an EngineDeadError when the
+    connection closes. Subclasses start the core and call _handshake."""
 
-    def __init__(self, config: EngineConfig, start_timeout_s: float = 300.0, title: str = "matrixinfer::engine-core"):
-        started = time.monotonic()
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_core_main, args=(config, child, title), name=title, daemon=True)
-        self.proc.start()
-        child.close()
-        self._finalizer = weakref.finalize(self, _stop_core, self.proc, self.conn)
-        ready = wait([self.conn, self.proc.sentinel], start_timeout_s)
-        if self.conn not in ready:
+    pid: int | None = None
+
+    def _handshake(self, conn, waitables: list, timeout: float, started: float) -> None:
+        self.conn = conn
+        ready = wait([conn, *waitables], timeout)
+        if conn not in ready:
             self.shutdown()
-            raise RuntimeError("the engine core process did not start" + ("" if ready else " in time"))
-        kind, payload = self.conn.recv()
+            raise RuntimeError("the engine core did not start" + ("" if ready else " in time"))
+        kind, payload = conn.recv()
         if kind == "error":
             self.shutdown()
             raise RuntimeError(f"the engine core failed to start:\n{payload}")
-        self.max_model_len, self.vocab_size, self.kv_bytes_per_token, self.weights_report = payload
+        self.max_model_len, self.vocab_size, self.kv_bytes_per_token, self.weights_report, self.pid = payload
         self.start_seconds = time.monotonic() - started
         self._send_lock = threading.Lock()
         self.outputs: queue.Queue = queue.Queue()
@@ -162,3 +161,22 @@ class MPCoreClient:
 
     def shutdown(self) -> None:
         self._finalizer()
+
+
+class MPCoreClient(RemoteCoreClient):
+    """The core in a process of its own on this machine, behind a pipe."""
+
+    def __init__(self, config: EngineConfig, start_timeout_s: float = 300.0, title: str = "matrixinfer::engine-core"):
+        started = time.monotonic()
+        ctx = mp.get_context("spawn")
+        conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_core_main, args=(config, child, title), name=title, daemon=True)
+        self.proc.start()
+        child.close()
+        self._finalizer = weakref.finalize(self, _stop_core, self.proc, conn)
+        self._handshake(conn, [self.proc.sentinel], start_timeout_s, started)
+
+    def kill(self) -> None:
+        """SIGKILL the core (failure tests)."""
+        self.proc.kill()
+        self.proc.join(10)

@@ -67,10 +67,11 @@ class Route:
 
 class PDCClient(AsyncLLM):
     def __init__(self, prefill: list[EngineConfig], decode: list[EngineConfig], model_name: str | None = None,
-                 router: str = "least-loaded", on_shutdown=None, restart_instances: bool = True):
+                 router: str = "least-loaded", on_shutdown=None, restart_instances: bool = True, ray: bool = False):
         roles = [("prefill", i, c) for i, c in enumerate(prefill)] + [("decode", i, c) for i, c in enumerate(decode)]
+        self.ray = ray
         with ThreadPoolExecutor(len(roles)) as pool:  # instances load their models in parallel
-            futures = [pool.submit(Instance, *r) for r in roles]
+            futures = [pool.submit(Instance, *r, 0, ray) for r in roles]
             instances = []
             try:
                 instances = [f.result() for f in futures]
@@ -220,7 +221,7 @@ class PDCClient(AsyncLLM):
 
     def restart(self, inst: Instance) -> Instance:
         """Start a fresh process for a dead instance; it rejoins (same role and name) and takes load."""
-        new = Instance(inst.role, inst.index, inst.config, inst.restarts + 1)
+        new = Instance(inst.role, inst.index, inst.config, inst.restarts + 1, self.ray)
         with self._lock:
             group = self.prefill if inst.role == "prefill" else self.decode
             group[group.index(inst)] = new

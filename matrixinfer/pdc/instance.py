@@ -10,10 +10,16 @@ from matrixinfer.engine.messages import EngineCoreRequest, SchedulerStats
 
 
 class Instance:
-    def __init__(self, role: str, index: int, config: EngineConfig, restarts: int = 0):
-        self.role, self.index, self.config, self.restarts = role, index, config, restarts
+    def __init__(self, role: str, index: int, config: EngineConfig, restarts: int = 0, ray: bool = False):
+        self.role, self.index, self.config, self.restarts, self.ray = role, index, config, restarts, ray
         self.name = f"{role}-{index}"
-        self.client = MPCoreClient(config, title=f"matrixinfer::{self.name}")
+        title = f"matrixinfer::{self.name}"
+        if ray:  # an actor on whichever node Ray picks
+            from matrixinfer.pdc.ray_placement import RayCoreClient
+
+            self.client = RayCoreClient(config, title)
+        else:
+            self.client = MPCoreClient(config, title=title)
         self.alive = True
         self.requests: dict[str, int] = {}  # engine request id -> its prompt tokens (queued work)
         self.stats = SchedulerStats()
@@ -21,7 +27,7 @@ class Instance:
 
     @property
     def pid(self) -> int:
-        return self.client.proc.pid
+        return self.client.pid
 
     def info(self) -> dict:
         """What /health and /metrics show of this instance."""

@@ -14,13 +14,23 @@ from matrixinfer.pdc.client import PDCClient
 
 def start_pdc(base: EngineConfig, prefill_instances: int = 1, decode_instances: int = 1, ems_servers: int = 1,
               ems_controller: str | None = None, router: str = "least-loaded", model_name: str | None = None,
-              ems_dram_mb: int = 256, restart_instances: bool = True) -> PDCClient:
+              ems_dram_mb: int = 256, restart_instances: bool = True, ray_address: str | None = None) -> PDCClient:
     """`ems_controller`: join an existing EMS pool; otherwise start one with `ems_servers`
-    MP servers, owned by the returned client (its shutdown() stops it)."""
+    MP servers, owned by the returned client (its shutdown() stops it). `ray_address`: place
+    the instances and the EMS processes as actors on that Ray cluster instead of here."""
     if prefill_instances < 1 or decode_instances < 1:
         raise ValueError("a PDC stack needs at least one prefill and one decode instance")
     cluster, root = None, None
-    if ems_controller is None:
+    if ray_address is not None:
+        from matrixinfer.pdc.ray_placement import RayEMSCluster, connect
+
+        connect(ray_address)
+        if ems_controller is None:
+            if ems_servers < 1:
+                raise ValueError("the KV hand-off goes through EMS: give --ems-servers >= 1 or --ems-controller")
+            cluster = RayEMSCluster(ems_servers, ems_dram_mb)
+            ems_controller = cluster.controller
+    elif ems_controller is None:
         if ems_servers < 1:
             raise ValueError("the KV hand-off goes through EMS: give --ems-servers >= 1 or --ems-controller")
         from matrixinfer.ems import LocalCluster
@@ -38,13 +48,14 @@ def start_pdc(base: EngineConfig, prefill_instances: int = 1, decode_instances: 
     def stop_cluster() -> None:
         if cluster is not None:
             cluster.close()
+        if root is not None:
             shutil.rmtree(root, ignore_errors=True)
 
     kv = KVTransferConfig(connector="ems", ems_controller=ems_controller, ems_namespace=base.kv_transfer.ems_namespace)
     cfg = replace(base, kv_transfer=kv)
     try:
         client = PDCClient([cfg] * prefill_instances, [cfg] * decode_instances, model_name, router, stop_cluster,
-                           restart_instances)
+                           restart_instances, ray=ray_address is not None)
         client.ems_cluster = cluster  # None when it joined an existing pool
         return client
     except BaseException:

@@ -34,7 +34,7 @@ def _serve(args) -> int:
         from matrixinfer.pdc import start_pdc
 
         engine = start_pdc(config, args.prefill_instances, args.decode_instances, args.ems_servers,
-                           args.ems_controller, args.router, args.served_model_name)
+                           args.ems_controller, args.router, args.served_model_name, ray_address=args.ray_address)
         print(f"matrixinfer: PDC stack: {args.prefill_instances} prefill + {args.decode_instances} decode instance(s), "
               f"KV hand-off through EMS ({args.ems_controller or f'{args.ems_servers} local MP server(s)'}), "
               f"router {args.router}", file=sys.stderr)
@@ -137,6 +137,8 @@ def register(sub, bench_sub) -> None:
     s.add_argument("--decode-instances", type=int, default=1)
     s.add_argument("--ems-servers", type=int, default=1,
                    help="EMS MP servers to start for the KV hand-off (ignored with --ems-controller)")
+    s.add_argument("--ray-address", default=None,
+                   help="auto or HOST:PORT: place the instances and EMS servers as actors on that Ray cluster")
     s.add_argument("--router", default="least-loaded", choices=["least-loaded", "locality", "round-robin"],
                    help="the peer scheduler's policy")
     s.add_argument("--log-level", default="warning")

@@ -7,8 +7,6 @@ their baseline."""
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import time
 
 import httpx
@@ -141,8 +139,7 @@ def failover_stack(text_checkpoint, tmp_path):
 
 
 def _kill(instance):
-    os.kill(instance.client.proc.pid, signal.SIGKILL)
-    instance.client.proc.join(10)
+    instance.client.kill()  # SIGKILL of the instance's engine core process
 
 
 def test_instances_killed_mid_stream_and_with_none_left(failover_stack, reference):
