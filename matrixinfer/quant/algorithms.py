@@ -22,7 +22,7 @@ import torch
 
 from matrixinfer.quant.int8 import QMAX, quantize_activation, quantize_symmetric, weight_scales
 
-CLIP_GRID = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
+CLIP_GRID = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.6, 0.5)
 ALPHA_GRID = (0.0, 0.25, 0.4, 0.5, 0.6, 0.75)
 
 

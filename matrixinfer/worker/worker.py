@@ -46,6 +46,9 @@ class Worker:
         if world_size > 1:
             self._init_distributed(init_method)
         self.model = load_model(config.model, dtype=config.dtype, device=self.device)
+        if config.quantization.method and not self.model.quantized:
+            raise ValueError(f"quantization={config.quantization.method!r} needs a W8A8 checkpoint; {config.model} "
+                             "is not quantized (write one with `matrixinfer quantize --model DIR --out DIR`)")
         self.max_model_len = max_model_len_of(config, self.model.config.max_position_embeddings)
         self.num_blocks = num_kv_blocks(config, self.model, self.max_model_len)
         self.runner = ModelRunner(self.model, self.num_blocks, config.cache.block_size, self.device)
