@@ -20,7 +20,6 @@ def calibration_windows(model_dir: Path, num_samples: int, seq_len: int, calib_d
 
     from matrixinfer.train.corpus import read_texts, split
     from matrixinfer.train.tiny import eval_windows, token_stream
-    from matrixinfer.train.tokenizer import encode_documents
 
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     if calib_data:
@@ -29,7 +28,7 @@ def calibration_windows(model_dir: Path, num_samples: int, seq_len: int, calib_d
         train_files, _ = split()
         step = max(1, len(train_files) // (4 * num_samples))  # files spread over the whole split
         texts = read_texts(train_files[::step])
-    windows = eval_windows(token_stream(encode_documents(tok, texts)), seq_len)
+    windows = eval_windows(token_stream([e.ids for e in tok.encode_batch(texts)]), seq_len)
     if len(windows) < num_samples:
         raise ValueError(f"calibration text gives {len(windows)} windows of {seq_len} tokens, {num_samples} asked")
     pick = torch.linspace(0, len(windows) - 1, num_samples).long()
