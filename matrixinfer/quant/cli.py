@@ -103,3 +103,6 @@ def register(sub, bench_sub) -> None:
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--naive", action="store_true", help="per-tensor min-max weights and activations (baseline)")
     p.set_defaults(func=cmd_quantize)
+    from matrixinfer.quant.bench import register as register_bench
+
+    register_bench(bench_sub)
