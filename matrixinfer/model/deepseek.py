@@ -108,5 +108,10 @@ class DeepseekForCausalLM(nn.Module):
         Returns the module's hidden states; compute_logits() of them predicts t_{i+2}."""
         return self.model.mtp[depth](hidden, self.model.embed_tokens(next_ids), positions)
 
+    @property
+    def quantized(self) -> bool:
+        """Whether any weight is stored in int8 (a W8A8 checkpoint)."""
+        return any(p.dtype == torch.int8 for p in self.parameters())
+
     def attention_layers(self) -> list[MLAttention]:
         return [layer.self_attn for layer in self.model.layers] + [m.self_attn for m in self.model.mtp]

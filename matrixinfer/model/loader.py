@@ -111,6 +111,16 @@ def _opened(files: list[Path], weights: dict | None):
         yield [stack.enter_context(safe_open(str(p), framework="pt", device="cpu")) for p in files]
 
 
+def checkpoint_quant_config(model_dir: Path, cfg: ModelConfig) -> QuantizationConfig | None:
+    """The method a quantized checkpoint asks for (config.json `quantization_config`), or None."""
+    qcfg = json.loads((model_dir / "config.json").read_text()).get("quantization_config")
+    if not qcfg:
+        return None
+    from matrixinfer.quant import config_from_dict
+
+    return config_from_dict(qcfg, cfg.num_hidden_layers)
+
+
 def load_model(
     model_dir: str | Path,
     dtype: str | torch.dtype = "auto",
@@ -121,13 +131,15 @@ def load_model(
     weights: dict[str, torch.Tensor] | None = None,
 ) -> DeepseekForCausalLM:
     """This tensor-parallel rank's shard of the model (parallel/state.py; the whole model in
-    one process). quant_config chooses how linear layers store weights (None: unquantized).
+    one process). quant_config chooses how linear layers store weights (None: what the
+    checkpoint's config.json says, unquantized without a quantization_config).
     weights: the checkpoint's tensors already in memory (the EMS model cache) instead of
     reading the directory's safetensors files (config.json still comes from model_dir)."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_pretrained(model_dir)
     torch_dtype = resolve_dtype(dtype, cfg)
     files = checkpoint_files(model_dir) if weights is None else []
+    quant_config = quant_config or checkpoint_quant_config(model_dir, cfg)
     # MTP weights are optional: transformers' save_pretrained drops them, DeepSeek ships them.
     mtp_prefix = f"model.layers.{cfg.num_hidden_layers}."
     keys = list(weights) if weights is not None else [k for path in files for k in _keys(path)]
@@ -137,6 +149,9 @@ def load_model(
     for router in model.modules():
         if isinstance(router, Router):  # the gate stays float32 whatever the model dtype
             router.float()
+    for p in model.parameters():
+        if getattr(p, "keep_float32", False):  # quantization scales
+            p.data = p.data.float()
     materialize(model, device)
     for layer in model.attention_layers():
         layer.rotary.reset_parameters()  # non-persistent buffers are not in the checkpoint
@@ -168,6 +183,10 @@ def load_model(
             for source in f.keys():
                 if "float8" in str(f.get_slice(source).get_dtype()).lower() or source.endswith("weight_scale_inv"):
                     raise CheckpointError(f"tensor {source!r} is FP8-quantized: dequantize the checkpoint to bf16 first")
+                if source.endswith("_zero_point"):  # symmetric int8: all zeros, nothing to load
+                    if f.get_tensor(source).any():
+                        raise CheckpointError(f"tensor {source!r}: asymmetric quantization is not supported")
+                    continue
                 target = _target_name(source, cfg, with_mtp)
                 if target is None or held_elsewhere(target):
                     continue  # not read from disk at all

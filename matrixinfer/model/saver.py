@@ -25,8 +25,9 @@ def checkpoint_state_dict(model: DeepseekForCausalLM, dtype: torch.dtype = torch
         if name.startswith("model.mtp."):
             k, rest = name[len("model.mtp."):].split(".", 1)
             name = f"model.layers.{cfg.num_hidden_layers + int(k)}.{rest}"
-        keep_fp32 = ".mlp.gate." in name  # router weight and correction bias
-        out[name] = t.detach().to(torch.float32 if keep_fp32 else dtype).contiguous().clone()
+        keep_fp32 = ".mlp.gate." in name or name.endswith("_scale")  # router weight and bias; int8 scales
+        keep = t.dtype == torch.int8  # quantized weights are written as they are
+        out[name] = t.detach().to(t.dtype if keep else torch.float32 if keep_fp32 else dtype).contiguous().clone()
     for k in range(len(model.model.mtp)):
         prefix = f"model.layers.{cfg.num_hidden_layers + k}."
         out[prefix + "embed_tokens.weight"] = out["model.embed_tokens.weight"].clone()
@@ -35,7 +36,8 @@ def checkpoint_state_dict(model: DeepseekForCausalLM, dtype: torch.dtype = torch
 
 
 def save_pretrained(model: DeepseekForCausalLM, out_dir: str | Path, hf_config: dict, dtype: torch.dtype = torch.bfloat16):
-    """hf_config: the config.json dict (e.g. DeepseekV3Config(...).to_dict() or a hand-written one)."""
+    """hf_config: the config.json dict (e.g. DeepseekV3Config(...).to_dict() or a hand-written
+    one; a quantized model's carries its `quantization_config`)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(checkpoint_state_dict(model, dtype), str(out_dir / "model.safetensors"), metadata={"format": "pt"})

@@ -47,6 +47,9 @@ class Worker:
             self._init_distributed(init_method)
         self.load_report = None  # how the weights came in, with load_format "ems"
         self.model = self._load()
+        if config.quantization.method and not self.model.quantized:
+            raise ValueError(f"quantization={config.quantization.method!r} needs a W8A8 checkpoint; {config.model} "
+                             "is not quantized (write one with `matrixinfer quantize --model DIR --out DIR`)")
         self.max_model_len = max_model_len_of(config, self.model.config.max_position_embeddings)
         self.num_blocks = num_kv_blocks(config, self.model, self.max_model_len)
         self.runner = ModelRunner(self.model, self.num_blocks, config.cache.block_size, self.device)

@@ -1,0 +1,292 @@
+"""`matrixinfer bench quant` (accuracy ablation of the INT8 techniques) and `matrixinfer bench
+int8-gemm` (INT8 vs BF16 GEMM at DeepSeek-V3's shapes on this machine).
+
+The ablation scores each variant with the dense single-process model (the oracle), in
+float32 compute: held-out perplexity and next-token top-1 of the bundled model, and greedy
+agreement with the float model over 64 tokens; then the same variants on a random
+DeepSeek-V3-style model whose activations carry injected outlier channels (x100), where the
+float function is unchanged (the norms are scaled up by 100 and the weights reading them
+down by 100, the inverse of smoothing), so only quantization can suffer from them.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+VARIANTS = {  # name -> QuantizeOptions fields; None: the float model
+    "bf16 (float)": None,
+    "naive per-tensor": dict(naive=True),
+    "per-channel / per-token": dict(smooth_alpha=None, scale_search=False, clip="none"),
+    "+ smoothing": dict(smooth_alpha="search", scale_search=False, clip="none"),
+    "+ scale search": dict(smooth_alpha=None, scale_search=True, clip="none"),
+    "+ block clip (GPTQ)": dict(smooth_alpha=None, scale_search=False, clip="block"),
+    "all": dict(smooth_alpha="search", scale_search=True, clip="block"),
+}
+
+# (name, K, N) of DeepSeek-V3's big matmuls: x [M, K] @ W^T [K, N]
+GEMM_SHAPES = [("q_a|kv_a", 7168, 1536 + 576), ("q_b", 1536, 128 * 192), ("o_proj", 128 * 128, 7168),
+               ("expert gate|up", 7168, 2 * 2048), ("expert down", 2048, 7168)]
+
+
+@torch.no_grad()
+def _scores(model, windows: torch.Tensor, batch: int = 8) -> tuple[float, float, torch.Tensor]:
+    nll, correct, n, preds = 0.0, 0, 0, []
+    for w in windows.split(batch):
+        x, y = w[:, :-1], w[:, 1:]
+        logits = model.compute_logits(model(x, torch.arange(x.shape[1]).expand_as(x))).float()
+        nll += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item()
+        correct += (logits.argmax(-1) == y).sum().item()
+        n += y.numel()
+        preds.append(logits.argmax(-1))
+    return math.exp(nll / n), correct / n, torch.cat(preds)
+
+
+@torch.no_grad()
+def _greedy(model, prompts: torch.Tensor, steps: int) -> torch.Tensor:
+    ids = prompts
+    for _ in range(steps):
+        logits = model.compute_logits(model(ids, torch.arange(ids.shape[1]).expand_as(ids))[:, -1])
+        ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], dim=1)
+    return ids[:, prompts.shape[1]:]
+
+
+def _agreement(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Mean fraction of the greedy continuation that matches before the first divergence."""
+    same = (a == b).int().cumprod(dim=1)
+    return same.float().mean().item()
+
+
+def ablation(load, calib: torch.Tensor, windows: torch.Tensor, prompts: torch.Tensor, steps: int = 64) -> list[dict]:
+    """load(): a fresh float model. Returns one row per variant."""
+    from matrixinfer.quant.calibrate import collect_stats
+    from matrixinfer.quant.quantize import QuantizeOptions, quantize_model
+
+    rows, ref_greedy, ref_preds = [], None, None
+    for name, fields in VARIANTS.items():
+        t0 = time.perf_counter()
+        model = load()
+        if fields is not None:
+            stats = collect_stats(model, calib.split(8))
+            model, _ = quantize_model(model, stats, QuantizeOptions(**fields))
+        ppl, top1, preds = _scores(model, windows)
+        greedy = _greedy(model, prompts, steps)
+        if ref_greedy is None:
+            ref_greedy, ref_preds = greedy, preds
+        rows.append({"variant": name, "perplexity": ppl, "top1": top1,
+                     "top1_agree_float": (preds == ref_preds).float().mean().item(),
+                     f"greedy{steps}_agree": _agreement(greedy, ref_greedy),
+                     "seconds": time.perf_counter() - t0})
+        print(f"{name:26s} ppl {ppl:9.4f} top1 {top1:.4f} greedy {rows[-1][f'greedy{steps}_agree']:.3f}", flush=True)
+    base = rows[0]["perplexity"]
+    for r in rows:
+        r["ppl_vs_float_pct"] = 100 * (r["perplexity"] / base - 1)
+    return rows
+
+
+def outlier_model(seed: int = 0, factor: float = 100.0, n_outliers: int = 4):
+    """A random DeepSeek-V3-style model (MLA with q_lora, 1 dense + 2 MoE layers, 16 experts
+    top-4, 1 shared) whose normed activations carry `n_outliers` channels x factor."""
+    from matrixinfer.config import ModelConfig
+    from matrixinfer.model.deepseek import DeepseekForCausalLM
+
+    cfg = ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                      num_hidden_layers=3, num_attention_heads=4, q_lora_rank=96, kv_lora_rank=64,
+                      qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_shared_experts=1,
+                      n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=1,
+                      routed_scaling_factor=2.5, torch_dtype="float32")
+    torch.manual_seed(seed)
+    model = DeepseekForCausalLM(cfg, with_mtp=False).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, p.shape[-1] ** -0.5)
+            elif "norm" in name:
+                p.fill_(1.0).add_(torch.randn_like(p) * 0.1)
+        hot = torch.randperm(cfg.hidden_size)[:n_outliers]
+        for layer in model.model.layers:  # norm output x factor on `hot`, readers / factor: same function
+            layer.input_layernorm.weight[hot] *= factor
+            layer.post_attention_layernorm.weight[hot] *= factor
+            for m in (layer.self_attn.fused_qkv_a_proj, getattr(layer.mlp, "gate_up_proj", None),
+                      getattr(layer.mlp, "shared_experts", None) and layer.mlp.shared_experts.gate_up_proj,
+                      getattr(layer.mlp, "gate", None)):
+                if m is not None:
+                    m.weight[:, hot] /= factor
+            if hasattr(layer.mlp, "experts"):
+                layer.mlp.experts.w13_weight[:, :, hot] /= factor
+    return model
+
+
+def cmd_bench_quant(args) -> int:
+    import copy
+
+    from matrixinfer.bench.report import markdown_table, save_json, write_section
+    from matrixinfer.config import DEFAULT_MODEL
+    from matrixinfer.model.loader import load_model
+    from matrixinfer.quant.cli import calibration_windows
+    from matrixinfer.train.evaluate import streams
+    from matrixinfer.train.tiny import eval_windows
+
+    torch.manual_seed(0)
+    model_dir = Path(args.model or DEFAULT_MODEL)
+    calib = calibration_windows(model_dir, args.num_samples, 256)
+    _, held, _ = streams(model_dir)
+    windows = eval_windows(held, 257, limit=args.windows)
+    prompts = windows[:args.prompts, :32]
+    print(f"== {model_dir.name}: {len(windows)} held-out windows of 256 scored tokens")
+    tiny = ablation(lambda: load_model(model_dir, dtype="float32"), calib, windows, prompts, args.steps)
+    base = outlier_model()
+    g = torch.Generator().manual_seed(1)
+    r_calib = torch.randint(0, 512, (16, 128), generator=g)
+    r_windows = torch.randint(0, 512, (16, 129), generator=g)
+    print("== random DeepSeek-V3-style model, 4 activation channels x100 (scores vs random tokens; "
+          "agreement with the float model is what counts)")
+    outl = ablation(lambda: copy.deepcopy(base), r_calib, r_windows, r_windows[:8, :16], 32)
+    data = {"model": str(model_dir.name), "heldout_windows": len(windows), "calibration_windows": list(calib.shape),
+            "tiny": tiny, "outliers": outl}
+    save_json("quant_ablation", data)
+    head = ["variant", "perplexity", "ppl vs float %", "top-1", "top-1 = float", "greedy-64 agree"]
+    tab = markdown_table(head, [[r["variant"], r["perplexity"], r["ppl_vs_float_pct"], r["top1"], r["top1_agree_float"],
+                                 r["greedy64_agree"]] for r in tiny])
+    head2 = ["variant", "top-1 = float", "greedy-32 agree", "ppl (random tokens)"]
+    tab2 = markdown_table(head2, [[r["variant"], r["top1_agree_float"], r["greedy32_agree"], r["perplexity"]]
+                                  for r in outl])
+    _plot_ablation(tiny, outl)
+    write_section("quant_ablation", "## INT8 W8A8 ablation (`matrixinfer bench quant`)\n\n"
+                  f"Bundled model ({model_dir.name}), {len(windows)} held-out windows, float32 compute, scored by the "
+                  "dense model; greedy agreement = mean matched prefix of 64 greedy tokens on "
+                  f"{args.prompts} held-out prompts.\n\n{tab}\n\nRandom DeepSeek-V3-style model with 4 activation "
+                  f"channels x100 (float function unchanged):\n\n{tab2}\n\n![ablation](quant_ablation.png)\n")
+    return 0
+
+
+def _plot_ablation(tiny, outl):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from matrixinfer.bench.report import bench_dir
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    names = [r["variant"] for r in tiny]
+    axes[0].barh(names, [r["ppl_vs_float_pct"] for r in tiny])
+    axes[0].set_xlabel("held-out perplexity vs float (%)")
+    axes[0].set_title("bundled model")
+    axes[1].barh(names, [r["greedy32_agree"] for r in outl])
+    axes[1].set_xlabel("greedy-32 agreement with float")
+    axes[1].set_title("random V3 config, activation outliers x100")
+    for ax in axes:
+        ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(bench_dir() / "quant_ablation.png", dpi=110)
+    plt.close(fig)
+
+
+def cpu_path() -> dict:
+    flags = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    return {"torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "amx_int8": "amx_int8" in flags, "amx_bf16": "amx_bf16" in flags,
+            "avx512_vnni": "avx512_vnni" in flags, "avx512_bf16": "avx512_bf16" in flags,
+            "threads": torch.get_num_threads()}
+
+
+def _time(fn, reps: int) -> float:
+    """Median of reps (the CPUs may be shared: the median resists other processes' bursts)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def gemm_rows(device: str, batches: list[int], reps: int) -> list[dict]:
+    from matrixinfer.quant.int8 import int8_linear, quantize_weight
+
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    rows = []
+    for name, k, n in GEMM_SHAPES:
+        w = torch.randn(n, k, device=device, dtype=torch.bfloat16)
+        wq, ws = quantize_weight(w)
+        wt, st = wq.t(), ws.t()
+        for m in batches:
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            bf16 = _time(lambda: (F.linear(x, w), sync()), reps)
+            int8 = _time(lambda: (int8_linear(x, wt, st), sync()), reps)  # incl. activation quantization
+            rows.append({"op": name, "K": k, "N": n, "M": m, "bf16_ms": bf16 * 1e3, "int8_ms": int8 * 1e3,
+                         "speedup": bf16 / int8})
+            print(f"{name:15s} M={m:4d} bf16 {bf16 * 1e3:8.3f} ms  int8 {int8 * 1e3:8.3f} ms  x{bf16 / int8:.2f}",
+                  flush=True)
+        del w, wq
+    return rows
+
+
+def cmd_bench_gemm(args) -> int:
+    from matrixinfer.bench.report import markdown_table, save_json, write_section
+
+    batches = [int(b) for b in args.batches.split(",")]
+    path = cpu_path() if args.device == "cpu" else {"cuda": torch.cuda.get_device_name()}
+    print(path)
+    rows = gemm_rows(args.device, batches, args.reps)
+    name = f"int8_gemm_{args.device.split(':')[0]}"
+    save_json(name, {"path": path, "rows": rows})
+    tab = markdown_table(["op (K x N)", "M tokens", "BF16 ms", "INT8 ms", "INT8 speed-up"],
+                         [[f"{r['op']} ({r['K']}x{r['N']})", r["M"], r["bf16_ms"], r["int8_ms"], r["speedup"]]
+                          for r in rows])
+    _plot_gemm(rows, name)
+    write_section(name, f"## INT8 vs BF16 GEMM, DeepSeek-V3 shapes, {args.device} (`matrixinfer bench int8-gemm`)\n\n"
+                  f"Path: `{path}`. INT8 time includes the per-token activation quantization and the scale "
+                  f"epilogue.\n\n{tab}\n\n![gemm]({name}.png)\n")
+    return 0
+
+
+def _plot_gemm(rows, name):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from matrixinfer.bench.report import bench_dir
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for op in dict.fromkeys(r["op"] for r in rows):
+        rs = [r for r in rows if r["op"] == op]
+        ax.plot([r["M"] for r in rs], [r["speedup"] for r in rs], marker="o", label=op)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.axhline(1.5, color="grey", lw=0.8, ls="--")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens M")
+    ax.set_ylabel("INT8 speed-up over BF16")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(bench_dir() / f"{name}.png", dpi=110)
+    plt.close(fig)
+
+
+def register(bench_sub) -> None:
+    p = bench_sub.add_parser("quant", help="INT8 ablation: naive, per-channel/per-token, smoothing, scale search, "
+                                           "block clipping, all (bundled model + random V3 with outliers)")
+    p.add_argument("--model", default=None)
+    p.add_argument("--num-samples", type=int, default=32, help="calibration windows of 256 tokens")
+    p.add_argument("--windows", type=int, default=64, help="held-out windows of 256 scored tokens")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--steps", type=int, default=64)
+    p.set_defaults(func=cmd_bench_quant)
+    g = bench_sub.add_parser("int8-gemm", help="INT8 vs BF16 GEMM at DeepSeek-V3 shapes")
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--batches", default="1,8,32,128,256")
+    g.add_argument("--reps", type=int, default=5)
+    g.set_defaults(func=cmd_bench_gemm)
