@@ -106,6 +106,15 @@ def test_greedy_through_pdc_equals_the_colocated_engine(stack, reference):
             return [r.json()["choices"][0]["text"] for r in rs]
 
     assert asyncio.run(concurrent()) == [reference[p] for p in PROMPTS * 2]
+    import openai
+
+    oa = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    got = oa.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=24, temperature=0,
+                                extra_body={"ignore_eos": True})
+    assert got.choices[0].text == reference[PROMPTS[0]]
+    chunks = oa.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=24, temperature=0, stream=True,
+                                   extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in chunks) == reference[PROMPTS[2]]
     assert client.prefill[0].handed_off >= len(PROMPTS) * 4
     assert client._stats.external_cache_hits > 0  # decode loaded prompts' blocks from EMS
     assert _idle(client)
