@@ -199,6 +199,8 @@ class PDCClient(AsyncLLM):
 
     def _instance_died(self, inst: Instance) -> None:
         inst.alive = False
+        if self._closing:
+            return  # shutdown() stopped it
         with self._lock:
             moved = [cid for cid, route in self.routes.items() if route.instance is inst]
             inst.requests.clear()
