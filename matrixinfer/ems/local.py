@@ -18,6 +18,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from matrixinfer.lifetime import die_with_parent
+
 from .protocol import call_once
 
 
@@ -56,6 +58,9 @@ class LocalCluster:
     def _spawn(self, args: list[str], log: str, **popen_kwargs) -> Proc:
         argv = [sys.executable, "-m", "matrixinfer.ems", *args]
         err = open(os.path.join(self.root, log), "ab")
+        # its own session: a terminal's Ctrl-C or a group SIGTERM reaches the owner, which stops
+        # the pool in order; the kernel sends SIGTERM if the owner dies first
+        popen_kwargs = {"start_new_session": True, "preexec_fn": die_with_parent, **popen_kwargs}
         p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, **popen_kwargs)
         err.close()
         deadline = time.monotonic() + 30

@@ -55,6 +55,9 @@ class InprocCoreClient:
 def _core_main(config: EngineConfig, conn, title: str) -> None:
     """The engine core process: apply requests and aborts, step while there is work, send
     every step's outputs back."""
+    from matrixinfer.lifetime import ignore_group_signals
+
+    ignore_group_signals()  # the front end drains, then stops us; its death closes our pipe
     try:
         import setproctitle
 

