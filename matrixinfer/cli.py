@@ -17,6 +17,7 @@ SUBSYSTEMS = [
     "matrixinfer.ems.cli",
     "matrixinfer.serving.cli",
     "matrixinfer.train.cli",
+    "matrixinfer.bench.cli",
 ]
 
 
