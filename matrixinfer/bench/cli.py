@@ -34,6 +34,8 @@ def register(sub, bench_sub) -> None:
     p.add_argument("--slo-tpot-ms", type=float, default=25.0, help="goodput SLO: time per output token, ms")
     p.add_argument("--sim-hardware", default="cloudmatrix384", help="for `simulate deployment` on the same configuration")
     p.add_argument("--sim-requests", type=int, default=500)
+    p.add_argument("--sim-scale-model", default="deepseek-r1",
+                   help="also simulate the same instance counts with this model at the paper's scale ('' = off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the report as one JSON line")
     p.set_defaults(func=_bench_pdc)

@@ -162,7 +162,16 @@ def run_system(name: str, extra: list[str], args, keys: Keys, plans: list[Plan] 
 
 
 # -- the simulator's view of the same PDC configuration ---------------------------------------
-def deployment_file(args, path: Path) -> Path:
+# Per-instance parallelism of the paper's CloudMatrix384 deployment (DeepSeek-R1, INT8): a
+# prefill instance is 32 NPUs (EP32, SP-TP-SP attention), a decode instance 320 (EP320, INT8
+# dispatch, one MTP draft). The "at scale" file keeps the benchmark's instance counts.
+AT_SCALE = {"dtype": "int8", "prefill": {"expert_parallel_size": 32, "prefill_parallel": "sp-tp-sp"},
+            "decode": {"expert_parallel_size": 320, "dispatch_dtype": "int8", "speculative_num_tokens": 1}}
+
+
+def deployments(args) -> dict[str, dict]:
+    """{file name: deployment}: the PDC configuration measured here, and the same instance
+    counts with --sim-scale-model and the paper's per-instance parallelism."""
     model = Path(args.model).resolve()
     try:
         model_ref = str(model.relative_to(Path.cwd()))
@@ -170,10 +179,14 @@ def deployment_file(args, path: Path) -> Path:
         model_ref = str(model)
     dtype = args.dtype if args.dtype and args.dtype != "auto" else \
         json.loads((model / "config.json").read_text()).get("torch_dtype", "bfloat16")
-    dep = {"model": model_ref, "dtype": dtype, "colocated": False, "prefill": {"instances": args.prefill_instances},
-           "decode": {"instances": args.decode_instances}, "ems": {"servers": args.ems_servers}}
-    path.write_text("# written by `matrixinfer bench pdc`: the PDC configuration it measured\n" + yaml.safe_dump(dep))
-    return path
+    here = {"model": model_ref, "dtype": dtype, "colocated": False, "prefill": {"instances": args.prefill_instances},
+            "decode": {"instances": args.decode_instances}, "ems": {"servers": args.ems_servers}}
+    out = {f"{NAME}.yaml": here}
+    if args.sim_scale_model:
+        out[f"{NAME}-at-scale.yaml"] = {**here, "model": args.sim_scale_model, "dtype": AT_SCALE["dtype"],
+                                        "prefill": {**here["prefill"], **AT_SCALE["prefill"]},
+                                        "decode": {**here["decode"], **AT_SCALE["decode"]}}
+    return out
 
 
 def simulate(args, dep_file: Path) -> dict:
@@ -184,9 +197,20 @@ def simulate(args, dep_file: Path) -> dict:
            "--prompt", str(args.input_len), "--prefill-tokens", str(args.input_len), "--rate", str(max(args.rates)),
            "--requests", str(args.sim_requests), "--output", str(args.output_len), "--json"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    shown = "matrixinfer " + " ".join(cmd[3:-1])
     if out.returncode != 0:
-        return {"command": "matrixinfer " + " ".join(cmd[3:]), "error": out.stderr[-1000:]}
-    return {"command": "matrixinfer " + " ".join(cmd[3:]), **json.loads(out.stdout)}
+        return {"file": dep_file.name, "command": shown, "error": out.stderr[-1000:]}
+    return {"file": dep_file.name, "command": shown, **json.loads(out.stdout)}
+
+
+def run_simulator(args) -> list[dict]:
+    sims = []
+    for name, dep in deployments(args).items():
+        path = bench_dir() / name
+        path.write_text("# written by `matrixinfer bench pdc` (see benchmarks/BENCHMARKS.md, section pdc)\n"
+                        + yaml.safe_dump(dep, sort_keys=False))
+        sims.append(simulate(args, path))
+    return sims
 
 
 # -- report -------------------------------------------------------------------------------------
@@ -270,6 +294,7 @@ def _verdict(report: dict) -> list[str]:
     col = next((s for s in report["systems"] if s["system"] == "colocated"), None)
     if col is None:
         return []
+    gaps = {(h["system"], h["rate"]): h for h in report["handoff"]}
     lines = []
     for sysrep in report["systems"]:
         if sysrep is col:
@@ -278,10 +303,15 @@ def _verdict(report: dict) -> list[str]:
             base, pdc = _find(col["results"], "single-turn 0% reuse", rate), _find(sysrep["results"], "single-turn 0% reuse", rate)
             if not base or not pdc or not base["ttft_p50_s"] or not pdc["ttft_p50_s"]:
                 continue
-            lines.append(f"- {sysrep['system']} at {rate:g} req/s, 0 % reuse: TTFT p50 {1e3 * pdc['ttft_p50_s']:.0f} ms "
-                         f"vs {1e3 * base['ttft_p50_s']:.0f} ms colocated (x{pdc['ttft_p50_s'] / base['ttft_p50_s']:.2f}), "
-                         f"TPOT p50 {_fmt_ms(pdc['tpot_p50_s'])} vs {_fmt_ms(base['tpot_p50_s'])}, goodput "
-                         f"{100 * pdc['goodput_fraction']:.0f} % vs {100 * base['goodput_fraction']:.0f} %.")
+            line = (f"- {sysrep['system']} at {rate:g} req/s, 0 % reuse: TTFT p50 {_fmt_ms(pdc['ttft_p50_s'])} vs "
+                    f"{_fmt_ms(base['ttft_p50_s'])} colocated (x{pdc['ttft_p50_s'] / base['ttft_p50_s']:.2f}), TPOT p50 "
+                    f"{_fmt_ms(pdc['tpot_p50_s'])} vs {_fmt_ms(base['tpot_p50_s'])}, goodput "
+                    f"{100 * pdc['goodput_fraction']:.0f} % vs {100 * base['goodput_fraction']:.0f} %")
+            g, cg = gaps.get((sysrep["system"], rate)), gaps.get(("colocated", rate))
+            if g and cg:
+                line += (f"; first inter-token gap p50 {_fmt_ms(g['first_gap_p50_s'])} vs "
+                         f"{_fmt_ms(cg['first_gap_p50_s'])} (the hand-off)")
+            lines.append(line + ".")
     return lines
 
 
@@ -289,18 +319,22 @@ def _fmt_ms(v) -> str:
     return "-" if v is None else f"{1e3 * v:.1f} ms"
 
 
-def _sim_lines(sim: dict) -> list[str]:
-    if "error" in sim:
-        return [f"`{sim['command']}` failed: {sim['error']}"]
-    p, d, s = sim["prefill"], sim["decode"], sim.get("serve", {})
-    lines = [f"`{sim['command']}` ({sim['devices']} devices of {sim['hardware']}):", "",
-             markdown_table(["", "prefill TTFT (one prompt)", "decode TPOT", "DES TTFT p50", "DES TPOT p50",
-                             "DES output tok/s"],
-                            [["predicted", f"{1e3 * p['ttft_s']:.3g} ms" if p.get("fits") else "does not fit",
-                              f"{d['tpot_ms']:.3g} ms" if d.get("fits") else "does not fit",
-                              f"{1e3 * s['ttft_p50_s']:.3g} ms" if s else "-", f"{s['tpot_p50_ms']:.3g} ms" if s else "-",
-                              s.get("output_tokens_per_s", "-")]])]
-    return lines
+def _sim_rows(sims: list[dict]) -> list[str]:
+    rows, errors = [], []
+    for sim in sims:
+        if "error" in sim:
+            errors.append(f"`{sim['command']}` failed: {sim['error']}")
+            continue
+        p, d, srv = sim["prefill"], sim["decode"], sim.get("serve", {})
+        rows.append([f"[{sim['file']}]({sim['file']})", sim["model"], sim["devices"],
+                     f"{1e3 * p['ttft_s']:.3g}" if p.get("fits") else "does not fit",
+                     f"{d['tpot_ms']:.3g}" if d.get("fits") else "does not fit",
+                     f"{1e3 * srv['ttft_p50_s']:.3g}" if srv else "-", f"{1e3 * srv['ttft_p99_s']:.3g}" if srv else "-",
+                     f"{srv['tpot_p50_ms']:.3g}" if srv else "-", f"{srv['tpot_p99_ms']:.3g}" if srv else "-"])
+    table = markdown_table(["file", "model", "devices", "prefill TTFT ms (one prompt)", "decode TPOT ms",
+                            "DES TTFT p50 ms", "DES TTFT p99 ms", "DES TPOT p50 ms", "DES TPOT p99 ms"], rows)
+    cmds = [f"`{sim['command']}`" for sim in sims if "error" not in sim]
+    return ([table, "", "Commands: " + "; ".join(cmds) + "."] if rows else []) + errors
 
 
 def write_markdown(report: dict, plot: Path) -> None:
@@ -348,9 +382,13 @@ def write_markdown(report: dict, plot: Path) -> None:
           "blocks, the hand-off) without adding compute, and the prefill/decode interference it removes is "
           "replaced by contention for the same cores:", ""] + _verdict(report) + [
           "", "### What the simulator predicts for the same configuration", "",
-          f"The deployment file [{report['deployment_file']}]({report['deployment_file']}) describes the PDC "
-          "configuration measured here; on real accelerators each role has its own devices, so the interference "
-          "above is gone and the hand-off is a memory-fabric transfer:", ""] + _sim_lines(report["simulator"])
+          f"`matrixinfer simulate deployment` on {report['sim_hardware']}, at the highest offered rate and the same "
+          f"prompt and output lengths: first the configuration measured here ({report['prefill_instances']} prefill + "
+          f"{report['decode_instances']} decode instance(s), one device each), then the same instance counts at the "
+          "paper's scale (its model and per-instance parallelism: prefill EP32 with SP-TP-SP attention, decode "
+          "EP320 with INT8 dispatch and one MTP draft). There every role has devices of its own, so the interference "
+          "above is gone, and the hand-off is a transfer over the supernode's memory fabric.", ""] + _sim_rows(
+              report["simulator"])
     write_section(NAME, "\n".join(md))
 
 
@@ -385,9 +423,7 @@ def main(args) -> int:
               "slo": {"ttft_s": args.slo_ttft, "tpot_ms": args.slo_tpot_ms}, "systems": rows}
     report["slo"]["why"] = slo_why(report, args)
     report["cache_effect"], report["handoff"] = cache_effect(report), handoff(report)
-    dep_file = deployment_file(args, bench_dir() / f"{NAME}.yaml")
-    report["deployment_file"] = dep_file.name
-    report["simulator"] = simulate(args, dep_file)
+    report["sim_hardware"], report["simulator"] = args.sim_hardware, run_simulator(args)
     save_json(NAME, report)
     plot = bench_dir() / f"{NAME}.png"
     _plot(report, plot)

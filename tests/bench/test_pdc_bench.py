@@ -29,7 +29,8 @@ def test_bench_pdc_runs_every_system_on_the_same_load(tmp_path, monkeypatch, cap
         assert off["cached_fraction"] == 0  # a tenant per request: nothing reused
     assert {c["system"] for c in report["cache_effect"]} == {s["system"] for s in report["systems"]}
     assert len(report["handoff"]) == 3
-    assert report["simulator"]["serve"]["finished"] == 20
-    assert {p.name for p in out.iterdir()} >= {"pdc.json", "pdc.png", "pdc.yaml", "BENCHMARKS.md"}
+    assert [sim["file"] for sim in report["simulator"]] == ["pdc.yaml", "pdc-at-scale.yaml"]
+    assert all(sim["serve"]["finished"] == 20 for sim in report["simulator"])
+    assert {p.name for p in out.iterdir()} >= {"pdc.json", "pdc.png", "pdc.yaml", "pdc-at-scale.yaml", "BENCHMARKS.md"}
     assert "<!-- bench:pdc -->" in (out / "BENCHMARKS.md").read_text()
     assert not (tmp_path / "benchmarks").exists()
