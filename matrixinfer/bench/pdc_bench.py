@@ -22,6 +22,7 @@ of the same PDC configuration, written beside the results.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -89,7 +90,8 @@ def make_plans(args, pool: list[int]) -> list[Plan]:
 
 
 class Keys:
-    """API keys: one tenant for the cache-on traffic, one per request of the cache-off points."""
+    """API keys: one tenant for the cache-on traffic, one per request of the cache-off points
+    (the same private tenants on every system: each system is a server of its own)."""
 
     def __init__(self, db: Path, cache_off_requests: int):
         from matrixinfer.serving.tenants import TenantStore
@@ -98,7 +100,7 @@ class Keys:
         self.shared_key = store.add_key("bench")
         self.private = [self._headers(store.add_key(f"bench-private-{i}")) for i in range(cache_off_requests)]
         store.close()
-        self.used = 0  # each system is a fresh server: its private tenants start unused
+        self.used = 0
 
     @staticmethod
     def _headers(key: str) -> dict:
@@ -109,11 +111,10 @@ class Keys:
         return out
 
 
-def run_point(w: Workload, plan: Plan, keys: Keys, args, bar) -> list[Result]:
+def run_point(w: Workload, plan: Plan, headers: list[dict] | None, args, bar) -> list[Result]:
     if plan.prompts is None:
         mt = replace(w, input_len=args.turn_len)
         return asyncio.run(run_multi_turn(mt, plan.rate, args.conversations, args.turns, random.Random(plan.seed), bar))
-    headers = None if plan.scenario.cache else keys.take(len(plan.prompts))
     return asyncio.run(run_prompts(w, plan.arrivals, plan.prompts, bar, headers))
 
 
@@ -127,38 +128,72 @@ def point_summary(results: list[Result], plan: Plan, duration: float, args) -> d
                 "prefill_tok_s_p50": float(np.median(prefill)) if prefill else None}
 
 
-async def _unloaded(w: Workload) -> Result:
-    """One request alone (also the warm-up: first-call costs stay out of the numbers)."""
+async def _unloaded(w: Workload, n: int = 3) -> dict:
+    """A warm-up request (first-call costs stay out of the numbers), then n requests one at a
+    time: the system's latency without load (medians)."""
+    results = []
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
-        prompt = random.Random(-1).choices(w.token_pool, k=w.input_len)
-        r = await stream_request(client, w, "/v1/completions", {"prompt": prompt})
-    if not r.ok:
-        raise RuntimeError(f"warm-up request failed: {r.error}")
-    return r
+        for i in range(n + 1):
+            prompt = random.Random(-1 - i).choices(w.token_pool, k=w.input_len)
+            r = await stream_request(client, w, "/v1/completions", {"prompt": prompt})
+            if not r.ok:
+                raise RuntimeError(f"request without load failed: {r.error}")
+            results.append(r)
+    def median(attr):
+        vals = [getattr(r, attr) for r in results[1:] if getattr(r, attr) is not None]
+        return float(np.median(vals)) if vals else None
+
+    return {"ttft_s": median("ttft"), "tpot_s": median("tpot"), "first_gap_s": median("first_gap")}
 
 
-def run_system(name: str, extra: list[str], args, keys: Keys, plans: list[Plan] | None, total: int):
-    """Start one system, run every plan against it, stop it (always). Plans are made from the
-    first system's tokenizer when None."""
+@dataclass
+class System:
+    name: str
+    server_args: list[str]
+    url: str
+    start_s: float
+    unloaded: dict | None = None
+
+    def report(self, rows: list[dict]) -> dict:
+        return {"system": self.name, "server_args": self.server_args, "start_s": self.start_s,
+                "unloaded": self.unloaded, "results": rows}
+
+
+def start_system(name: str, extra: list[str], args, keys: Keys, stack: contextlib.ExitStack) -> System:
+    """`matrixinfer serve` for one system; `stack` stops it (always, failure or not)."""
     server_args = extra + ["--max-num-seqs", str(args.max_num_seqs)] + (["--dtype", args.dtype] if args.dtype else [])
+    print(f"{name}: starting `matrixinfer serve {' '.join(server_args)}` ...", file=sys.stderr)
     t0 = time.perf_counter()
     proc, url, tmp = start_server(args.model, server_args, keys_db=keys.db)
-    start_s = time.perf_counter() - t0
-    try:
-        keys.used = 0
-        w = _workload(args, url)
-        plans = plans if plans is not None else make_plans(args, w.token_pool)
-        unloaded = asyncio.run(_unloaded(w))
-        rows = []
-        with tqdm(total=total, desc=name, file=sys.stderr) as bar:
-            for plan in plans:
-                t = time.perf_counter()
-                results = run_point(w, plan, keys, args, bar)
-                rows.append(point_summary(results, plan, time.perf_counter() - t, args))
-        return {"system": name, "server_args": server_args, "start_s": start_s, "results": rows,
-                "unloaded": {"ttft_s": unloaded.ttft, "tpot_s": unloaded.tpot}}, plans, w
-    finally:
-        stop_server(proc, tmp)
+    stack.callback(stop_server, proc, tmp)
+    return System(name, server_args, url, time.perf_counter() - t0)
+
+
+def run_all(args, chosen: dict[str, list[str]]) -> tuple[list[dict], Workload]:
+    """All systems up at once (idle ones cost no CPU); every point runs on each system in
+    turn, the order rotating from point to point, so that other load on the machine and its
+    drift fall on every system alike."""
+    with tempfile.TemporaryDirectory(prefix="mi-bench-pdc-") as tmp, contextlib.ExitStack() as stack:
+        n_off = len(args.rates) * sum(1 for s in scenarios(args.reuse) if not s.cache) * args.num_requests
+        keys = Keys(Path(tmp) / "keys.db", n_off)
+        args.api_key = keys.shared_key  # the workload's key (one tenant for all cache-on traffic)
+        sys_list = [start_system(name, extra, args, keys, stack) for name, extra in chosen.items()]
+        w = _workload(args, sys_list[0].url)  # same model, same tokenizer on every side
+        plans = make_plans(args, w.token_pool)
+        for s in sys_list:
+            s.unloaded = asyncio.run(_unloaded(replace(w, url=s.url)))
+        rows = {s.name: [] for s in sys_list}
+        total = len(sys_list) * sum(args.conversations * args.turns if p.prompts is None else len(p.prompts)
+                                    for p in plans)
+        with tqdm(total=total, desc="bench pdc", file=sys.stderr) as bar:
+            for i, plan in enumerate(plans):
+                headers = None if plan.scenario.cache else keys.take(len(plan.prompts))
+                for s in sys_list[i % len(sys_list):] + sys_list[:i % len(sys_list)]:
+                    bar.set_postfix_str(f"{s.name}: {plan.scenario.name} @ {plan.rate:g}/s")
+                    t = time.perf_counter()
+                    results = run_point(replace(w, url=s.url), plan, headers, args, bar)
+                    rows[s.name].append(point_summary(results, plan, time.perf_counter() - t, args))
+        return [s.report(rows[s.name]) for s in sys_list], w
 
 
 # -- the simulator's view of the same PDC configuration ---------------------------------------
@@ -315,6 +350,10 @@ def _verdict(report: dict) -> list[str]:
     return lines
 
 
+def _sub(a, b):
+    return None if a is None or b is None else a - b
+
+
 def _fmt_ms(v) -> str:
     return "-" if v is None else f"{1e3 * v:.1f} ms"
 
@@ -340,8 +379,10 @@ def _sim_rows(sims: list[dict]) -> list[str]:
 def write_markdown(report: dict, plot: Path) -> None:
     slo = report["slo"]
     md = ["## Prefill / decode / caching disaggregation (`matrixinfer bench pdc`)", "",
-          f"The same requests (Poisson arrivals, seed {report['seed']}) against three `matrixinfer serve` processes "
-          f"started by the benchmark: `--colocated`, and PDC ({report['prefill_instances']} prefill + "
+          f"The same requests (Poisson arrivals, seed {report['seed']}) against `matrixinfer serve` processes "
+          "started by the benchmark, all up at once (idle ones take no CPU), each point run on every system in "
+          "turn with the order rotating from point to point, so that other load on the machine falls on every "
+          "side alike: `--colocated`, and PDC ({report['prefill_instances']} prefill + "
           f"{report['decode_instances']} decode instance(s), {report['ems_servers']} EMS server(s), KV hand-off through "
           "EMS) with least-loaded and with locality routing. Model "
           f"`{report['model']}`, {report['input_len']}-token prompts, {report['output_len']} output tokens "
@@ -375,6 +416,11 @@ def write_markdown(report: dict, plot: Path) -> None:
                               "excess ms"],
                              [[h["system"], h["rate"], _ms(h["first_gap_p50_s"]), _ms(h["first_gap_p99_s"]),
                                _ms(h["tpot_p50_s"]), _ms(h["excess_s"])] for h in report["handoff"]]),
+          "", "Without load (one request at a time, median of 3), where nothing queues:", "",
+          markdown_table(["system", "TTFT ms", "1st gap ms", "TPOT ms", "excess ms"],
+                         [[s["system"], _ms(s["unloaded"]["ttft_s"]), _ms(s["unloaded"]["first_gap_s"]),
+                           _ms(s["unloaded"]["tpot_s"]), _ms(_sub(s["unloaded"]["first_gap_s"], s["unloaded"]["tpot_s"]))]
+                          for s in report["systems"]]),
           "", f"![colocated vs PDC]({plot.name})", "",
           "### Where disaggregation does not pay here", "",
           "Prefill and decode instances are separate processes on the same "
@@ -393,28 +439,19 @@ def write_markdown(report: dict, plot: Path) -> None:
 
 
 def slo_why(report: dict, args) -> str:
-    u = report["systems"][0]
-    return (f"Why: one request alone on {u['system']} (the warm-up) took TTFT {_fmt_ms(u['unloaded']['ttft_s'])} "
-            f"and TPOT {_fmt_ms(u['unloaded']['tpot_s'])} for a {args.input_len}-token prompt here; the SLO leaves "
-            "several times that for queueing and the hand-off on 2 shared cores, so a miss means contention or a "
-            f"slow path rather than the model's base speed, and {args.slo_ttft:g} s to the first token with "
-            f"{1e3 / args.slo_tpot_ms:.0f} tokens/s per stream is still what a chat user perceives as prompt.")
+    alone = ", ".join(f"{s['system']} {_fmt_ms(s['unloaded']['ttft_s'])} / {_fmt_ms(s['unloaded']['tpot_s'])}"
+                      for s in report["systems"])
+    return (f"Why: without load (one request at a time, median of 3) TTFT / TPOT for a {args.input_len}-token prompt "
+            f"here are {alone}; the SLO leaves several times that for queueing and the hand-off on "
+            f"{report['cpu_count']} shared cores, so a miss means contention or a slow path rather than the model's "
+            f"base speed, and {args.slo_ttft:g} s to the first token with {1e3 / args.slo_tpot_ms:.0f} tokens/s per "
+            "stream is still what a chat user perceives as prompt.")
 
 
 def main(args) -> int:
     all_systems = systems(args)
     chosen = {k: v for k, v in all_systems.items() if k in args.systems} if args.systems else all_systems
-    rows, plans, w = [], None, None
-    with tempfile.TemporaryDirectory(prefix="mi-bench-pdc-") as tmp:
-        n_off = len(args.rates) * sum(1 for s in scenarios(args.reuse) if not s.cache) * args.num_requests
-        keys = Keys(Path(tmp) / "keys.db", n_off)
-        args.api_key = keys.shared_key  # the workload's key (one tenant for all cache-on traffic)
-        per_rate = sum(args.conversations * args.turns if s.reuse is None else args.num_requests
-                       for s in scenarios(args.reuse))
-        for name, extra in chosen.items():
-            print(f"{name}: starting `matrixinfer serve {' '.join(extra)}` ...", file=sys.stderr)
-            sysrep, plans, w = run_system(name, extra, args, keys, plans, per_rate * len(args.rates))
-            rows.append(sysrep)
+    rows, w = run_all(args, chosen)
     report = {"model": w.model, "input_len": args.input_len, "output_len": args.output_len, "seed": args.seed,
               "rates": args.rates, "reuse": args.reuse, "num_requests": args.num_requests,
               "conversations": args.conversations, "turns": args.turns, "turn_len": args.turn_len,
