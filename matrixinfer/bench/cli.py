@@ -21,10 +21,10 @@ def register(sub, bench_sub) -> None:
     p.add_argument("--prefill-instances", type=int, default=1)
     p.add_argument("--decode-instances", type=int, default=1)
     p.add_argument("--ems-servers", type=int, default=1)
-    p.add_argument("--rates", type=float, nargs="+", default=[3.0], help="offered loads, requests (conversations)/s")
+    p.add_argument("--rates", type=float, nargs="+", default=[1.5], help="offered loads, requests (conversations)/s")
     p.add_argument("--reuse", type=float, nargs="+", default=[0.0, 0.5, 0.9],
                    help="single-turn shared-prefix fractions (each > 0 also runs with the cache off)")
-    p.add_argument("--num-requests", type=int, default=30, help="requests per single-turn point")
+    p.add_argument("--num-requests", type=int, default=24, help="requests per single-turn point")
     p.add_argument("--input-len", type=int, default=256, help="prompt tokens (single-turn)")
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--conversations", type=int, default=6, help="conversations per multi-turn point")

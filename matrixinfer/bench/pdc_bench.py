@@ -376,25 +376,37 @@ def _sim_rows(sims: list[dict]) -> list[str]:
     return ([table, "", "Commands: " + "; ".join(cmds) + "."] if rows else []) + errors
 
 
+def _router_note(report: dict) -> list[str]:
+    if report["prefill_instances"] > 1 or report["decode_instances"] > 1:
+        return []
+    return ["With one prefill and one decode instance the routers have nothing to choose between (every request "
+            "goes to prefill-0, then decode-0): the two PDC systems are the same stack, and the difference between "
+            "their rows is run-to-run noise on this shared machine, a noise floor for every other comparison here. "
+            "Give `--prefill-instances 2` (or more) to compare routing.", ""]
+
+
 def write_markdown(report: dict, plot: Path) -> None:
     slo = report["slo"]
     md = ["## Prefill / decode / caching disaggregation (`matrixinfer bench pdc`)", "",
           f"The same requests (Poisson arrivals, seed {report['seed']}) against `matrixinfer serve` processes "
           "started by the benchmark, all up at once (idle ones take no CPU), each point run on every system in "
           "turn with the order rotating from point to point, so that other load on the machine falls on every "
-          "side alike: `--colocated`, and PDC ({report['prefill_instances']} prefill + "
+          f"side alike: `--colocated`, and PDC ({report['prefill_instances']} prefill + "
           f"{report['decode_instances']} decode instance(s), {report['ems_servers']} EMS server(s), KV hand-off through "
           "EMS) with least-loaded and with locality routing. Model "
           f"`{report['model']}`, {report['input_len']}-token prompts, {report['output_len']} output tokens "
           f"(ignore_eos), {report['num_requests']} requests per single-turn point; multi-turn: "
           f"{report['conversations']} conversations of {report['turns']} turns, ~{report['turn_len']} tokens per user "
-          f"message. {report['cpu_count']} CPU cores shared by every process of a system. Server start (s): "
+          f"message. {report['cpu_count']} CPU cores shared by every process of a system and by whatever else runs "
+          f"on the machine (5-minute load average {report['loadavg_5min']['before']:.1f} before the run, "
+          f"{report['loadavg_5min']['at_end']:.1f} at its end, this run included). Server start (s): "
           + ", ".join(f"{s['system']} {s['start_s']:.1f}" for s in report["systems"]) + ".", "",
           f"**SLO** for goodput: TTFT <= {slo['ttft_s']:g} s and TPOT <= {slo['tpot_ms']:g} ms. {slo['why']}", "",
           "**Cache off** points send the same prompts, each with the API key of a tenant of its own: tenants are "
           "cache namespaces (local prefix cache and EMS), so nothing is reused but every other path (hand-off "
           "included) is the same.", "",
-          "### Latency and goodput", "",
+          "### Latency and goodput", ""] + _router_note(report) + [
+
           markdown_table(["system", "req/s", "scenario", "done", "cached %", "TTFT p50 ms", "TTFT p99 ms",
                           "TPOT p50 ms", "TPOT p99 ms", "1st gap p50 ms", "goodput %", "goodput req/s"],
                          [[s["system"], r["offered_rate"], r["scenario"], f"{r['completed']}/{r['requests']}",
@@ -426,7 +438,8 @@ def write_markdown(report: dict, plot: Path) -> None:
           "Prefill and decode instances are separate processes on the same "
           f"{report['cpu_count']} cores, so PDC adds work (a second engine, the EMS round trip of every prompt's "
           "blocks, the hand-off) without adding compute, and the prefill/decode interference it removes is "
-          "replaced by contention for the same cores:", ""] + _verdict(report) + [
+          "replaced by contention for the same cores (each instance's worker sizes its torch thread pool to every "
+          "core of the machine, so two pools share them):", ""] + _verdict(report) + [
           "", "### What the simulator predicts for the same configuration", "",
           f"`matrixinfer simulate deployment` on {report['sim_hardware']}, at the highest offered rate and the same "
           f"prompt and output lengths: first the configuration measured here ({report['prefill_instances']} prefill + "
@@ -451,12 +464,15 @@ def slo_why(report: dict, args) -> str:
 def main(args) -> int:
     all_systems = systems(args)
     chosen = {k: v for k, v in all_systems.items() if k in args.systems} if args.systems else all_systems
+    load_before = os.getloadavg()[1]
     rows, w = run_all(args, chosen)
+    load_during = os.getloadavg()[1]  # 5-minute averages: the machine's busyness, this run's own load included
     report = {"model": w.model, "input_len": args.input_len, "output_len": args.output_len, "seed": args.seed,
               "rates": args.rates, "reuse": args.reuse, "num_requests": args.num_requests,
               "conversations": args.conversations, "turns": args.turns, "turn_len": args.turn_len,
               "prefill_instances": args.prefill_instances, "decode_instances": args.decode_instances,
               "ems_servers": args.ems_servers, "max_num_seqs": args.max_num_seqs, "cpu_count": os.cpu_count(),
+              "loadavg_5min": {"before": load_before, "at_end": load_during},
               "slo": {"ttft_s": args.slo_ttft, "tpot_ms": args.slo_tpot_ms}, "systems": rows}
     report["slo"]["why"] = slo_why(report, args)
     report["cache_effect"], report["handoff"] = cache_effect(report), handoff(report)
