@@ -376,6 +376,17 @@ def _sim_rows(sims: list[dict]) -> list[str]:
     return ([table, "", "Commands: " + "; ".join(cmds) + "."] if rows else []) + errors
 
 
+def _load_note(report: dict) -> list[str]:
+    load, cores = report["loadavg_5min"]["before"], report["cpu_count"]
+    if load < 0.5 * cores:
+        return []
+    return [f"**Caveat**: before this run the machine was already busy with other work (5-minute load average "
+            f"{load:.1f} on {cores} cores), so each system got a varying fraction of the CPU: the latencies below "
+            "measure that contention as much as the systems (the latencies without load below already include it), "
+            "and single points swing with it. Rotating the order spreads the drift over the systems "
+            "but cannot remove it; rerun on an idle machine for numbers to compare closely.", ""]
+
+
 def _router_note(report: dict) -> list[str]:
     if report["prefill_instances"] > 1 or report["decode_instances"] > 1:
         return []
@@ -405,7 +416,7 @@ def write_markdown(report: dict, plot: Path) -> None:
           "**Cache off** points send the same prompts, each with the API key of a tenant of its own: tenants are "
           "cache namespaces (local prefix cache and EMS), so nothing is reused but every other path (hand-off "
           "included) is the same.", "",
-          "### Latency and goodput", ""] + _router_note(report) + [
+          ] + _load_note(report) + ["### Latency and goodput", ""] + _router_note(report) + [
 
           markdown_table(["system", "req/s", "scenario", "done", "cached %", "TTFT p50 ms", "TTFT p99 ms",
                           "TPOT p50 ms", "TPOT p99 ms", "1st gap p50 ms", "goodput %", "goodput req/s"],
