@@ -18,6 +18,7 @@ SUBSYSTEMS = [
     "matrixinfer.serving.cli",
     "matrixinfer.train.cli",
     "matrixinfer.quant.cli",
+    "matrixinfer.bench.cli",
 ]
 
 

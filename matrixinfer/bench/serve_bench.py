@@ -16,6 +16,7 @@ import asyncio
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -40,6 +41,7 @@ class Result:
     ok: bool
     start: float
     ttft: float | None = None
+    second: float | None = None  # arrival of the second visible piece of text (after start)
     e2e: float | None = None
     prompt_tokens: int = 0
     output_tokens: int = 0
@@ -52,6 +54,11 @@ class Result:
         if self.ttft is None or self.output_tokens < 2:
             return None
         return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+    @property
+    def first_gap(self) -> float | None:
+        """First inter-token gap as the client sees it (in PDC it spans the KV hand-off)."""
+        return None if self.second is None else self.second - self.ttft
 
 
 @dataclass
@@ -66,16 +73,16 @@ class Workload:
 
 
 async def stream_request(client: httpx.AsyncClient, w: Workload, path: str, body: dict, turn: int = 0,
-                         on_text=None) -> Result:
-    """Send one streaming request; time its first token and its end; read usage from the
-    final chunk."""
+                         on_text=None, headers: dict | None = None) -> Result:
+    """Send one streaming request; time its first and second tokens and its end; read usage
+    from the final chunk. `headers` replace the workload's (another tenant's key)."""
     body = {**body, "model": w.model, "stream": True, "stream_options": {"include_usage": True},
             "max_tokens": w.output_len, "ignore_eos": True, "temperature": 0}
     t0 = time.perf_counter()
     r = Result(ok=False, start=t0, turn=turn)
     text = []
     try:
-        async with client.stream("POST", w.url + path, json=body, headers=w.headers) as resp:
+        async with client.stream("POST", w.url + path, json=body, headers=w.headers if headers is None else headers) as resp:
             if resp.status_code != 200:
                 r.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
                 return r
@@ -89,9 +96,11 @@ async def stream_request(client: httpx.AsyncClient, w: Workload, path: str, body
                     r.cached_tokens = u["prompt_tokens_details"]["cached_tokens"]
                 for c in chunk.get("choices", []):
                     piece = c.get("text") if "text" in c else (c.get("delta") or {}).get("content")
-                    if piece and r.ttft is None:
-                        r.ttft = time.perf_counter() - t0
                     if piece:
+                        if r.ttft is None:
+                            r.ttft = time.perf_counter() - t0
+                        elif r.second is None:
+                            r.second = time.perf_counter() - t0
                         text.append(piece)
         r.e2e = time.perf_counter() - t0
         if r.ttft is None:  # all tokens decoded to nothing visible: count the end as first token
@@ -108,17 +117,29 @@ def _words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
-async def run_single_turn(w: Workload, rate: float, num_requests: int, rng: random.Random, bar) -> list[Result]:
-    async def one(delay: float, prompt: list[int]) -> Result:
-        await asyncio.sleep(delay)
-        r = await stream_request(client, w, "/v1/completions", {"prompt": prompt})
+def poisson_arrivals(rng: random.Random, rate: float, n: int) -> list[float]:
+    """Start times (s after the first) of n requests arriving as a Poisson process."""
+    return [float(t) for t in np.cumsum([rng.expovariate(rate) for _ in range(n)])]
+
+
+async def run_prompts(w: Workload, arrivals: list[float], prompts: list[list[int]], bar,
+                      headers: list[dict] | None = None) -> list[Result]:
+    """Send prompts[i] (token ids, completions endpoint) at arrivals[i], with headers[i] if given."""
+    async def one(i: int) -> Result:
+        await asyncio.sleep(arrivals[i])
+        r = await stream_request(client, w, "/v1/completions", {"prompt": prompts[i]},
+                                 headers=None if headers is None else headers[i])
         bar.update(1)
         return r
 
-    arrivals = np.cumsum([rng.expovariate(rate) for _ in range(num_requests)])
-    prompts = [rng.choices(w.token_pool, k=w.input_len) for _ in range(num_requests)]  # no shared prefixes
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=1024)) as client:
-        return await asyncio.gather(*(one(float(a), p) for a, p in zip(arrivals, prompts)))
+        return await asyncio.gather(*(one(i) for i in range(len(prompts))))
+
+
+async def run_single_turn(w: Workload, rate: float, num_requests: int, rng: random.Random, bar) -> list[Result]:
+    arrivals = poisson_arrivals(rng, rate, num_requests)
+    prompts = [rng.choices(w.token_pool, k=w.input_len) for _ in range(num_requests)]  # no shared prefixes
+    return await run_prompts(w, arrivals, prompts, bar)
 
 
 async def run_multi_turn(w: Workload, rate: float, conversations: int, turns: int, rng: random.Random,
@@ -141,9 +162,9 @@ async def run_multi_turn(w: Workload, rate: float, conversations: int, turns: in
             messages.append({"role": "assistant", "content": reply[0]})
         return results
 
-    arrivals = np.cumsum([rng.expovariate(rate) for _ in range(conversations)])
+    arrivals = poisson_arrivals(rng, rate, conversations)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=1024)) as client:
-        per_conv = await asyncio.gather(*(conversation(float(a), rng.randrange(2**31)) for a in arrivals))
+        per_conv = await asyncio.gather(*(conversation(a, rng.randrange(2**31)) for a in arrivals))
     return [r for conv in per_conv for r in conv]
 
 
@@ -170,7 +191,8 @@ def summarize(results: list[Result], rate: float, duration: float) -> dict:
         "cached_fraction": sum(r.cached_tokens for r in ok) / max(1, in_tokens),
         "errors": sorted({r.error for r in results if r.error})[:5],
     }
-    for name, vals in (("ttft", ttft), ("tpot", tpot), ("e2e", e2e)):
+    gaps = [r.first_gap for r in ok if r.first_gap is not None]
+    for name, vals in (("ttft", ttft), ("tpot", tpot), ("e2e", e2e), ("first_gap", gaps)):
         for q in (50, 99):
             s[f"{name}_p{q}_s"] = _pct(vals, q)
     first, later = [r for r in ok if r.turn == 0], [r for r in ok if r.turn > 0]
@@ -190,24 +212,53 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: str, extra: list[str]) -> tuple[subprocess.Popen, str, tempfile.TemporaryDirectory]:
+def start_server(model: str, extra: list[str], keys_db: str | Path | None = None
+                 ) -> tuple[subprocess.Popen, str, tempfile.TemporaryDirectory]:
+    """`matrixinfer serve` in a subprocess (its own session, importing this same matrixinfer
+    tree) on a free port; returns once /health answers. `keys_db`: a keys database made by
+    the caller (default: an empty one, so no authentication). Stop it with stop_server()."""
     port, tmp = _free_port(), tempfile.TemporaryDirectory(prefix="mi-bench-serve-")
     cmd = [sys.executable, "-m", "matrixinfer.cli", "serve", "--model", model, "--port", str(port),
-           "--keys-db", str(Path(tmp.name) / "serving.db"), *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+           "--keys-db", str(keys_db or Path(tmp.name) / "serving.db"), *extra]
+    tree = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [tree, os.environ.get("PYTHONPATH")]))}
+    log = Path(tmp.name) / "serve.log"  # a file, not a pipe nobody reads while the server runs
+    with open(log, "w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stderr.read()[-2000:]}")
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited: {log.read_text()[-2000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    return proc, url, tmp
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError("server did not come up in 600 s")
+    except BaseException:
+        stop_server(proc, tmp)
+        raise
+
+
+def stop_server(proc: subprocess.Popen, tmp: tempfile.TemporaryDirectory | None = None, timeout: float = 60) -> None:
+    """SIGTERM (the server drains and stops its engine processes), then SIGKILL to whatever of
+    its process group is left."""
+    if proc.poll() is None:
+        proc.terminate()
         try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url, tmp
-        except httpx.HTTPError:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
             pass
-        time.sleep(0.5)
-    proc.terminate()
-    raise RuntimeError("server did not come up in 600 s")
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # stragglers: engine cores, EMS servers
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+    if tmp is not None:
+        tmp.cleanup()
 
 
 def _workload(args, url: str) -> Workload:
@@ -254,7 +305,8 @@ def main(args) -> int:
     url = args.url
     if url is None:
         extra = ["--max-num-seqs", str(args.max_num_seqs)] + (["--dtype", args.dtype] if args.dtype else [])
-        print(f"starting `matrixinfer serve --model {args.model}` ...", file=sys.stderr)
+        extra += [] if args.pdc else ["--colocated"]  # the published numbers are the colocated engine's
+        print(f"starting `matrixinfer serve --model {args.model} {' '.join(extra)}` ...", file=sys.stderr)
         proc, url, tmp = start_server(args.model, extra)
     url = url.rstrip("/")
     try:
@@ -277,9 +329,7 @@ def main(args) -> int:
             print(json.dumps(rows[-1]), file=sys.stderr)
     finally:
         if proc is not None:
-            proc.terminate()
-            proc.wait(timeout=30)
-            tmp.cleanup()
+            stop_server(proc, tmp)
     report = {"model": w.model, "url": args.url or "started by the benchmark", "mode": mode,
               "input_len": args.input_len, "output_len": args.output_len, "seed": args.seed,
               "cpu_count": os.cpu_count(), "results": rows}
@@ -338,6 +388,7 @@ def add_arguments(p) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="model for the server the benchmark starts")
     p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"])
     p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--pdc", action="store_true", help="start the default PDC stack instead of `serve --colocated`")
     p.add_argument("--api-key", default=os.environ.get("MATRIXINFER_API_KEY"))
     p.add_argument("--rates", type=float, nargs="+", default=[1.0, 2.0, 4.0], help="offered loads, requests/s")
     p.add_argument("--num-requests", type=int, default=32, help="requests per rate (single-turn)")
