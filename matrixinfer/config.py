@@ -223,6 +223,7 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "cpu"
     seed: int = 0
+    num_threads: int | None = None  # intra-op threads per rank (None: torch's default, or cores / ranks)
     load_format: str = "disk"  # "disk" | "ems": weights through the EMS model cache (one copy in the pool)
     model_source_mbps: float = 0.0  # with "ems": read the model directory at this cap (a stand-in for object storage)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -252,7 +253,7 @@ class EngineConfig:
         cfg = cls(model=str(model))
         sections = {"kv_transfer_config": "kv_transfer", "speculative_config": "speculative"}
         for key, value in kwargs.items():
-            if key in ("dtype", "device", "seed", "load_format", "model_source_mbps"):
+            if key in ("dtype", "device", "seed", "load_format", "model_source_mbps", "num_threads"):
                 setattr(cfg, key, value)
             elif key in cls._FLAT:
                 section, name = cls._FLAT[key]

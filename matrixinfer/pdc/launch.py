@@ -4,6 +4,7 @@ and the PDC front end that serving's HTTP API talks to."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from dataclasses import replace
@@ -53,6 +54,10 @@ def start_pdc(base: EngineConfig, prefill_instances: int = 1, decode_instances: 
 
     kv = KVTransferConfig(connector="ems", ems_controller=ems_controller, ems_namespace=base.kv_transfer.ems_namespace)
     cfg = replace(base, kv_transfer=kv)
+    if ray_address is None and cfg.num_threads is None:
+        # every instance on this machine: split the cores instead of each taking all of them
+        ranks = (prefill_instances + decode_instances) * cfg.parallel.world_size
+        cfg = replace(cfg, num_threads=max(1, (os.cpu_count() or 1) // ranks))
     try:
         client = PDCClient([cfg] * prefill_instances, [cfg] * decode_instances, model_name, router, stop_cluster,
                            restart_instances, ray=ray_address is not None)

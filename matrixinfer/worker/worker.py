@@ -39,6 +39,8 @@ class Worker:
     def __init__(self, config: EngineConfig, rank: int = 0, world_size: int = 1, init_method: str | None = None):
         self.config, self.rank, self.world_size = config, rank, world_size
         torch.manual_seed(config.seed)
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and world_size > 1:
             self.device = torch.device("cuda", rank % torch.cuda.device_count())
@@ -129,6 +131,7 @@ class Worker:
 
 
 def worker_env_threads(world_size: int) -> None:
-    """Ranks on one CPU share its cores: give each an equal share of intra-op threads."""
+    """Ranks on one CPU share its cores: give each an equal share of intra-op threads (an
+    explicit EngineConfig.num_threads wins: the Worker sets it after this)."""
     if world_size > 1 and not os.environ.get("MATRIXINFER_KEEP_THREADS"):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
