@@ -1,12 +1,13 @@
 """`matrixinfer bench quant` (accuracy ablation of the INT8 techniques) and `matrixinfer bench
 int8-gemm` (INT8 vs BF16 GEMM at DeepSeek-V3's shapes on this machine).
 
-The ablation scores each variant with the dense single-process model (the oracle), in
-float32 compute: held-out perplexity and next-token top-1 of the bundled model, and greedy
-agreement with the float model over 64 tokens; then the same variants on a random
-DeepSeek-V3-style model whose activations carry injected outlier channels (x100), where the
-float function is unchanged (the norms are scaled up by 100 and the weights reading them
-down by 100, the inverse of smoothing), so only quantization can suffer from them.
+The ablation writes each variant's checkpoint with the quantizer and scores it through the
+public API (prompt_logprobs, float32 compute): held-out perplexity and next-token top-1 of the
+bundled model, and greedy agreement with the float checkpoint over 64 tokens. Then the same
+variants on a random DeepSeek-V3-style model whose activations carry injected outlier
+channels (x100), where the float function is unchanged (the norms are scaled up by 100 and
+the weights reading them down by 100, the inverse of smoothing), so only quantization can
+suffer from them: relative logits error, KL and top-1 agreement against the float model.
 """
 
 from __future__ import annotations
@@ -33,26 +34,26 @@ GEMM_SHAPES = [("q_a|kv_a", 7168, 1536 + 576), ("q_b", 1536, 128 * 192), ("o_pro
                ("expert gate|up", 7168, 2 * 2048), ("expert down", 2048, 7168)]
 
 
-@torch.no_grad()
-def _scores(model, windows: torch.Tensor, batch: int = 8) -> tuple[float, float, torch.Tensor]:
-    nll, correct, n, preds = 0.0, 0, 0, []
-    for w in windows.split(batch):
-        x, y = w[:, :-1], w[:, 1:]
-        logits = model.compute_logits(model(x, torch.arange(x.shape[1]).expand_as(x))).float()
-        nll += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item()
-        correct += (logits.argmax(-1) == y).sum().item()
-        n += y.numel()
-        preds.append(logits.argmax(-1))
-    return math.exp(nll / n), correct / n, torch.cat(preds)
+def api_scores(model_dir, windows: torch.Tensor, prompts: torch.Tensor, steps: int) -> dict:
+    """Score a checkpoint through the public API, as lm-eval-harness drives vLLM: held-out
+    perplexity and next-token top-1 from SamplingParams(prompt_logprobs=1) (the prompt token's
+    logprob and the most likely token at every position), and greedy continuations."""
+    from matrixinfer import LLM, SamplingParams
 
-
-@torch.no_grad()
-def _greedy(model, prompts: torch.Tensor, steps: int) -> torch.Tensor:
-    ids = prompts
-    for _ in range(steps):
-        logits = model.compute_logits(model(ids, torch.arange(ids.shape[1]).expand_as(ids))[:, -1])
-        ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], dim=1)
-    return ids[:, prompts.shape[1]:]
+    with LLM(model=str(model_dir), dtype="float32") as llm:
+        outs = llm.generate([{"prompt_token_ids": w.tolist()} for w in windows],
+                            SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+        greedy = llm.generate([{"prompt_token_ids": p.tolist()} for p in prompts],
+                              SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True), use_tqdm=False)
+    nll, targets, top1 = 0.0, [], []
+    for o in outs:
+        for tok, entry in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:]):
+            nll -= entry[tok].logprob
+            targets.append(tok)
+            top1.append(min(entry.values(), key=lambda lp: lp.rank).token_id)
+    top1_t = torch.tensor(top1)
+    return {"perplexity": math.exp(nll / len(targets)), "top1": (top1_t == torch.tensor(targets)).float().mean().item(),
+            "top1_ids": top1_t, "greedy": torch.tensor([o.outputs[0].token_ids for o in greedy])}
 
 
 def _agreement(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -61,36 +62,39 @@ def _agreement(a: torch.Tensor, b: torch.Tensor) -> float:
     return same.float().mean().item()
 
 
-def ablation(load, calib: torch.Tensor, windows: torch.Tensor, prompts: torch.Tensor, steps: int = 64) -> list[dict]:
-    """load(): a fresh float model. Returns one row per variant."""
-    from matrixinfer.quant.calibrate import collect_stats
-    from matrixinfer.quant.quantize import QuantizeOptions, quantize_model
+def ablation(model_dir: Path, work: Path, calib: torch.Tensor, windows: torch.Tensor, prompts: torch.Tensor,
+             steps: int = 64) -> list[dict]:
+    """Each variant: `matrixinfer quantize` with its flags into work/, then scored through
+    LLM(model=...) (the float row is the source checkpoint itself). One row per variant."""
+    from matrixinfer.quant.cli import quantize_checkpoint
+    from matrixinfer.quant.quantize import QuantizeOptions
 
-    rows, ref_greedy, ref_preds = [], None, None
-    for name, fields in VARIANTS.items():
+    rows, ref = [], None
+    for i, (name, fields) in enumerate(VARIANTS.items()):
         t0 = time.perf_counter()
-        model = load()
+        ckpt = model_dir
         if fields is not None:
-            stats = collect_stats(model, calib.split(8))
-            model, _ = quantize_model(model, stats, QuantizeOptions(**fields))
-        ppl, top1, preds = _scores(model, windows)
-        greedy = _greedy(model, prompts, steps)
-        if ref_greedy is None:
-            ref_greedy, ref_preds = greedy, preds
-        rows.append({"variant": name, "perplexity": ppl, "top1": top1,
-                     "top1_agree_float": (preds == ref_preds).float().mean().item(),
-                     f"greedy{steps}_agree": _agreement(greedy, ref_greedy),
+            ckpt = work / f"variant{i}"
+            quantize_checkpoint(model_dir, ckpt, QuantizeOptions(**fields), calib, show_progress=False)
+        sc = api_scores(ckpt, windows, prompts, steps)
+        ref = ref or sc
+        rows.append({"variant": name, "perplexity": sc["perplexity"], "top1": sc["top1"],
+                     "top1_agree_float": (sc["top1_ids"] == ref["top1_ids"]).float().mean().item(),
+                     f"greedy{steps}_agree": _agreement(sc["greedy"], ref["greedy"]),
                      "seconds": time.perf_counter() - t0})
-        print(f"{name:26s} ppl {ppl:9.4f} top1 {top1:.4f} greedy {rows[-1][f'greedy{steps}_agree']:.3f}", flush=True)
+        print(f"{name:26s} ppl {sc['perplexity']:9.4f} top1 {sc['top1']:.4f} "
+              f"greedy {rows[-1][f'greedy{steps}_agree']:.3f}", flush=True)
     base = rows[0]["perplexity"]
     for r in rows:
         r["ppl_vs_float_pct"] = 100 * (r["perplexity"] / base - 1)
     return rows
 
 
-def outlier_model(seed: int = 0, factor: float = 100.0, n_outliers: int = 4):
+def outlier_model(seed: int = 0, factor: float = 100.0, n_outliers: int = 4, head_scale: float = 1.0):
     """A random DeepSeek-V3-style model (MLA with q_lora, 1 dense + 2 MoE layers, 16 experts
-    top-4, 1 shared) whose normed activations carry `n_outliers` channels x factor."""
+    top-4, 1 shared) whose normed activations carry `n_outliers` channels x factor.
+    head_scale > 1 sharpens its next-token distributions (x4: logits' std about 4, the top
+    token's probability about 0.46 instead of 0.03), so that top-1 agreement means something."""
     from matrixinfer.config import ModelConfig
     from matrixinfer.model.deepseek import DeepseekForCausalLM
 
@@ -118,15 +122,44 @@ def outlier_model(seed: int = 0, factor: float = 100.0, n_outliers: int = 4):
                     m.weight[:, hot] /= factor
             if hasattr(layer.mlp, "experts"):
                 layer.mlp.experts.w13_weight[:, :, hot] /= factor
+        model.lm_head.weight.mul_(head_scale)
     return model
 
 
-def cmd_bench_quant(args) -> int:
+@torch.no_grad()
+def outlier_ablation(base, calib: torch.Tensor, ids: torch.Tensor) -> list[dict]:
+    """Each variant against the float model on the same tokens: mean relative logits error
+    |l_q - l_f| / |l_f| per position, KL(float || quantized) per position, top-1 agreement."""
     import copy
+
+    from matrixinfer.quant.calibrate import collect_stats
+    from matrixinfer.quant.quantize import QuantizeOptions, quantize_model
+
+    def logits(m):
+        return m.compute_logits(m(ids, torch.arange(ids.shape[1]).expand_as(ids))).float()
+
+    ref = logits(base)
+    ref_lp = ref.log_softmax(-1)
+    rows = []
+    for name, fields in VARIANTS.items():
+        model = copy.deepcopy(base)
+        if fields is not None:
+            model, _ = quantize_model(model, collect_stats(model, calib.split(8)), QuantizeOptions(**fields))
+        got = logits(model)
+        rows.append({"variant": name, "rel_logits_error": ((got - ref).norm(dim=-1) / ref.norm(dim=-1)).mean().item(),
+                     "kl_to_float": F.kl_div(got.log_softmax(-1), ref_lp, log_target=True, reduction="none")
+                     .sum(-1).mean().item(),
+                     "top1_agree_float": (got.argmax(-1) == ref.argmax(-1)).float().mean().item()})
+        print(f"{name:26s} rel {rows[-1]['rel_logits_error']:.4f} KL {rows[-1]['kl_to_float']:.4f} "
+              f"top-1 {rows[-1]['top1_agree_float']:.3f}", flush=True)
+    return rows
+
+
+def cmd_bench_quant(args) -> int:
+    import tempfile
 
     from matrixinfer.bench.report import markdown_table, save_json, write_section
     from matrixinfer.config import DEFAULT_MODEL
-    from matrixinfer.model.loader import load_model
     from matrixinfer.quant.cli import calibration_windows
     from matrixinfer.train.evaluate import streams
     from matrixinfer.train.tiny import eval_windows
@@ -137,34 +170,44 @@ def cmd_bench_quant(args) -> int:
     _, held, _ = streams(model_dir)
     windows = eval_windows(held, 257, limit=args.windows)
     prompts = windows[:args.prompts, :32]
-    print(f"== {model_dir.name}: {len(windows)} held-out windows of 256 scored tokens")
-    tiny = ablation(lambda: load_model(model_dir, dtype="float32"), calib, windows, prompts, args.steps)
-    base = outlier_model()
+    print(f"== {model_dir.name}: {len(windows)} held-out windows of 256 scored tokens, through LLM(...) "
+          "with prompt_logprobs")
+    with tempfile.TemporaryDirectory(prefix="mi-ablation-") as work:
+        tiny = ablation(model_dir, Path(work), calib, windows, prompts, args.steps)
     g = torch.Generator().manual_seed(1)
-    r_calib = torch.randint(0, 512, (16, 128), generator=g)
-    r_windows = torch.randint(0, 512, (16, 129), generator=g)
-    print("== random DeepSeek-V3-style model, 4 activation channels x100 (scores vs random tokens; "
-          "agreement with the float model is what counts)")
-    outl = ablation(lambda: copy.deepcopy(base), r_calib, r_windows, r_windows[:8, :16], 32)
+    r_calib, r_ids = torch.randint(0, 512, (16, 128), generator=g), torch.randint(0, 512, (16, 128), generator=g)
+    print("== random DeepSeek-V3-style model, 4 activation channels x100, LM head x4; against the float model")
+    outl = outlier_ablation(outlier_model(head_scale=4.0), r_calib, r_ids)
+    outl_flat = outlier_ablation(outlier_model(factor=1.0, head_scale=4.0), r_calib, r_ids)
     data = {"model": str(model_dir.name), "heldout_windows": len(windows), "calibration_windows": list(calib.shape),
-            "tiny": tiny, "outliers": outl}
+            "scored_through": "LLM.generate(SamplingParams(max_tokens=1, prompt_logprobs=1)), float32 compute",
+            "tiny": tiny, "outliers": outl, "no_outliers": outl_flat}
     save_json("quant_ablation", data)
-    head = ["variant", "perplexity", "ppl vs float %", "top-1", "top-1 = float", "greedy-64 agree"]
+    head = ["variant", "perplexity", "ppl vs float %", "top-1", "top-1 = float", f"greedy-{args.steps} agree"]
     tab = markdown_table(head, [[r["variant"], r["perplexity"], r["ppl_vs_float_pct"], r["top1"], r["top1_agree_float"],
-                                 r["greedy64_agree"]] for r in tiny])
-    head2 = ["variant", "top-1 = float", "greedy-32 agree", "ppl (random tokens)"]
-    tab2 = markdown_table(head2, [[r["variant"], r["top1_agree_float"], r["greedy32_agree"], r["perplexity"]]
-                                  for r in outl])
-    _plot_ablation(tiny, outl)
+                                 r[f"greedy{args.steps}_agree"]] for r in tiny])
+    head2 = ["variant", "rel. logits error", "KL to float", "top-1 = float", "rel. error, no outliers",
+             "KL, no outliers"]
+    tab2 = markdown_table(head2, [[r["variant"], r["rel_logits_error"], r["kl_to_float"], r["top1_agree_float"],
+                                   f["rel_logits_error"], f["kl_to_float"]] for r, f in zip(outl, outl_flat)])
+    _plot_ablation(tiny, outl, outl_flat)
     write_section("quant_ablation", "## INT8 W8A8 ablation (`matrixinfer bench quant`)\n\n"
-                  f"Bundled model ({model_dir.name}), {len(windows)} held-out windows, float32 compute, scored by the "
-                  "dense model; greedy agreement = mean matched prefix of 64 greedy tokens on "
-                  f"{args.prompts} held-out prompts.\n\n{tab}\n\nRandom DeepSeek-V3-style model with 4 activation "
-                  f"channels x100 (float function unchanged):\n\n{tab2}\n\n![ablation](quant_ablation.png)\n")
+                  f"Bundled model ({model_dir.name}): each variant is written by `matrixinfer quantize` with its "
+                  f"flags and scored through the public API, `LLM(model=...).generate(windows, "
+                  f"SamplingParams(max_tokens=1, prompt_logprobs=1))`, float32 compute: {len(windows)} held-out "
+                  f"windows of 256 scored tokens; greedy agreement = mean matched prefix of {args.steps} greedy "
+                  f"tokens on {args.prompts} held-out prompts.\n\n{tab}\n\n"
+                  "Random DeepSeek-V3-style model (3 layers, 16 experts top-4 + 1 shared, MLA with q_lora), 4 "
+                  "activation channels x100 injected into every norm's output with the readers' weights / 100 "
+                  "(float function unchanged), LM head x4 so that its next-token distributions are peaked (top "
+                  "token about 0.46); each variant against the float model on 16 x 128 random tokens, per "
+                  "position: relative logits error, KL(float || INT8), top-1 agreement; the last two columns are "
+                  "the same model without the outliers (what INT8 costs on this random model anyway).\n\n"
+                  f"{tab2}\n\n![ablation](quant_ablation.png)\n")
     return 0
 
 
-def _plot_ablation(tiny, outl):
+def _plot_ablation(tiny, outl, outl_flat):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -177,9 +220,11 @@ def _plot_ablation(tiny, outl):
     axes[0].barh(names, [r["ppl_vs_float_pct"] for r in tiny])
     axes[0].set_xlabel("held-out perplexity vs float (%)")
     axes[0].set_title("bundled model")
-    axes[1].barh(names, [r["greedy32_agree"] for r in outl])
-    axes[1].set_xlabel("greedy-32 agreement with float")
-    axes[1].set_title("random V3 config, activation outliers x100")
+    axes[1].barh(names, [r["rel_logits_error"] for r in outl], label="outliers x100")
+    axes[1].barh(names, [r["rel_logits_error"] for r in outl_flat], height=0.4, label="no outliers")
+    axes[1].set_xlabel("relative logits error vs float")
+    axes[1].set_title("random V3 config")
+    axes[1].legend(fontsize=8)
     for ax in axes:
         ax.invert_yaxis()
     fig.tight_layout()
