@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from matrixinfer.engine.request import Logprob
+from matrixinfer.engine.request import Logprob, PromptLogprobs
 from matrixinfer.engine.sampling_params import SamplingParams
 
 
@@ -27,6 +27,7 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    prompt_logprobs: PromptLogprobs | None = None  # with a request's first token, when asked
 
     @property
     def finished(self) -> bool:

@@ -28,6 +28,38 @@ class Logprob:
     token_id: int
     logprob: float
     top: dict[int, float] = field(default_factory=dict)  # token id -> logprob
+    rank: int | None = None  # 1 + how many tokens the model found likelier (prompt logprobs)
+
+
+@dataclass
+class PromptLogprobs:
+    """Logprobs of prompt tokens 1..k (token 0 has none), compact: what crosses processes.
+    Entry i is for prompt position i + 1, computed from the logits at position i."""
+    logprobs: list[float] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)
+    top_ids: list[list[int]] = field(default_factory=list)  # the N most likely, per position
+    top_logprobs: list[list[float]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.logprobs)
+
+    def put(self, first: int, chunk: PromptLogprobs) -> None:
+        """Place a chunk whose first entry is entry `first` (a recomputed chunk replaces what it covers)."""
+        for mine, theirs in zip((self.logprobs, self.ranks, self.top_ids, self.top_logprobs),
+                                (chunk.logprobs, chunk.ranks, chunk.top_ids, chunk.top_logprobs)):
+            del mine[first:]
+            mine += theirs
+
+    def as_vllm(self, prompt_token_ids: list[int]) -> list[dict[int, Logprob] | None]:
+        """vLLM's RequestOutput.prompt_logprobs: None for the first token, then per position a
+        dict token id -> Logprob holding the actual prompt token and the top N."""
+        out: list[dict[int, Logprob] | None] = [None]
+        for i, tok in enumerate(prompt_token_ids[1:len(self) + 1]):
+            entry = {tok: Logprob(tok, self.logprobs[i], rank=self.ranks[i])}
+            for r, (t, v) in enumerate(zip(self.top_ids[i], self.top_logprobs[i])):
+                entry.setdefault(t, Logprob(t, v, rank=r + 1))
+            out.append(entry)
+        return out
 
 
 class Request:
@@ -49,6 +81,8 @@ class Request:
         self.kv_load_failed = False  # a connector failed to load: recompute, never ask it again
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
+        # logprobs of the prompt, when asked; None again once sent with the first output token
+        self.prompt_logprobs = PromptLogprobs() if params.prompt_logprobs is not None else None
 
     @property
     def all_token_ids(self) -> list[int]:

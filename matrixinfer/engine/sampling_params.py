@@ -24,6 +24,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # number of top logprobs to return besides the sampled token's
+    prompt_logprobs: int | None = None  # top-N besides each prompt token's own logprob (computes the whole prompt)
     skip_special_tokens: bool = True
     stop_list: list[str] = field(init=False, repr=False)
 
@@ -58,6 +59,8 @@ class SamplingParams:
             errors.append(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.logprobs is not None and self.logprobs < 0:
             errors.append(f"logprobs must be >= 0, got {self.logprobs}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            errors.append(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}")
         if any(not s for s in self.stop_list):
             errors.append("stop strings must be non-empty")
         if errors:

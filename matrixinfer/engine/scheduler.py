@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from matrixinfer.config import CacheConfig, SchedulerConfig
 from matrixinfer.engine.kv_cache_manager import KVCacheManager
 from matrixinfer.engine.messages import EngineCoreOutput, SchedulerStats
-from matrixinfer.engine.request import Logprob, Request, RequestStatus
+from matrixinfer.engine.request import Logprob, PromptLogprobs, Request, RequestStatus
 from matrixinfer.engine.sampling_params import SamplingParams
 
 
@@ -37,6 +37,10 @@ class ScheduledRequest:
     prompt_token_ids: list[int] | None = None  # when sample with penalties
     output_token_ids: list[int] | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # prompt logprobs asked (N, the top count): logits at every position of this chunk, and the
+    # prompt tokens they predict (token at start_pos + 1 ...; shorter than token_ids at the prompt's end)
+    prompt_logprobs: int | None = None
+    next_prompt_token_ids: list[int] | None = None
 
 
 @dataclass
@@ -59,6 +63,7 @@ class ModelRunnerOutput:
     logprobs: list[Logprob | None] | None = None
     failed_kv_load_request_ids: set[str] = field(default_factory=set)  # their scheduled tokens did not run
     hidden_states: object | None = None  # [sampling rows, hidden] final hidden states, when asked
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)  # request id -> this chunk's
 
 
 class Scheduler:
@@ -135,9 +140,12 @@ class Scheduler:
         loads: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            blocks, num_local = self.kv.get_computed_blocks(req)
+            # a cached prefix has no logits: a request wanting prompt logprobs computes its prompt
+            needs_logits = req.prompt_logprobs is not None
+            blocks, num_local = ([], 0) if needs_logits else self.kv.get_computed_blocks(req)
             num_external = 0
-            if self.connector is not None and not req.kv_load_failed and req.num_cached_tokens < 0:
+            if (self.connector is not None and not needs_logits and not req.kv_load_failed
+                    and req.num_cached_tokens < 0):
                 num_external = self.connector.get_num_new_matched_tokens(req, num_local)
             want = min(req.num_tokens - num_local - num_external, budget)
             if not self.kv.allocate_slots(req, want, blocks, num_external):
@@ -173,11 +181,15 @@ class Scheduler:
         start = req.num_computed_tokens
         sample = start + n == req.num_tokens
         penalties = sample and req.params.has_penalties
-        return ScheduledRequest(
+        s = ScheduledRequest(
             req.request_id, req.all_token_ids[start:start + n], start, list(req.block_table), sample,
             req.params if sample else None,
             req.prompt_token_ids if penalties else None, req.output_token_ids if penalties else None,
             req.eos_token_ids if sample else ())
+        if req.prompt_logprobs is not None and start < len(req.prompt_token_ids):
+            s.prompt_logprobs = req.params.prompt_logprobs
+            s.next_prompt_token_ids = req.prompt_token_ids[start + 1:start + n + 1]
+        return s
 
     # -- update -----------------------------------------------------------------------------------
     def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
@@ -200,6 +212,8 @@ class Scheduler:
             self.stats.prefill_tokens += 0 if is_decode else n
             req.num_computed_tokens += n
             self.kv.cache_full_blocks(req)
+            if s.request_id in out.prompt_logprobs and req.prompt_logprobs is not None:
+                req.prompt_logprobs.put(s.start_pos, out.prompt_logprobs[s.request_id])
         outputs = []
         logprobs = out.logprobs or [None] * len(out.request_ids)
         for rid, token, lp in zip(out.request_ids, out.sampled_token_ids, logprobs):
@@ -213,7 +227,9 @@ class Scheduler:
                 self._free(req, status)
             outputs.append(EngineCoreOutput(
                 rid, [token], None if lp is None else [lp], None if status is None else status.value,
-                req.stop_reason, num_cached_tokens=max(req.num_cached_tokens, 0), num_preemptions=req.num_preemptions))
+                req.stop_reason, num_cached_tokens=max(req.num_cached_tokens, 0), num_preemptions=req.num_preemptions,
+                prompt_logprobs=req.prompt_logprobs))
+            req.prompt_logprobs = None  # sent once, with the first token
         return outputs
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:

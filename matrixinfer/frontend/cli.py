@@ -30,6 +30,10 @@ def _generate(args) -> int:
 
 
 def _bench_engine(args) -> int:
+    if args.quantization == "int8":
+        from matrixinfer.quant.bench import cmd_bench_engine_int8
+
+        return cmd_bench_engine_int8(args)
     from matrixinfer.bench.engine_bench import main
 
     return main(args)
@@ -63,6 +67,10 @@ def register(sub, bench_sub) -> None:
     b.add_argument("--no-profile", action="store_true")
     b.add_argument("--no-write", action="store_true", help="do not write benchmarks/")
     b.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    b.add_argument("--quantization", default=None, choices=["int8"],
+                   help="int8: INT8 W8A8 vs BF16 on the same requests instead (decode tok/s, weight memory)")
+    b.add_argument("--int8-model", default=None, help="with --quantization int8: the INT8 checkpoint "
+                                                      "(default: `matrixinfer quantize` of --model into a temp dir)")
     b.set_defaults(func=_bench_engine)
 
     from matrixinfer.bench import executor_bench, kv_connector_bench

@@ -69,6 +69,7 @@ class RequestState:
         self.children = {child_id(request_id, i, params.n): s for i, s in enumerate(self.samples)}
         self.arrival_time, self.first_token_time = arrival_time, None
         self.num_cached_tokens, self.num_preemptions = 0, 0
+        self.prompt_logprobs = None
 
     @property
     def finished(self) -> bool:
@@ -78,7 +79,7 @@ class RequestState:
         metrics = {"arrival_time": self.arrival_time, "first_token_time": self.first_token_time,
                    "num_preemptions": self.num_preemptions}
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [s.output() for s in self.samples],
-                             self.finished, self.num_cached_tokens, metrics)
+                             self.finished, self.num_cached_tokens, metrics, self.prompt_logprobs)
 
 
 class OutputProcessor:
@@ -120,6 +121,8 @@ class OutputProcessor:
                 state.first_token_time = now
             state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
             state.num_preemptions = max(state.num_preemptions, out.num_preemptions)
+            if out.prompt_logprobs is not None and state.prompt_logprobs is None:  # the first of n samples to send them
+                state.prompt_logprobs = out.prompt_logprobs.as_vllm(state.prompt_token_ids)
             if sample.add(out):
                 to_abort.append(out.request_id)
             changed[state.request_id] = state

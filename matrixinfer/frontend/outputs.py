@@ -30,3 +30,6 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    # with SamplingParams(prompt_logprobs=N): None for the first prompt token, then per position
+    # a dict token id -> Logprob holding the actual prompt token and the N most likely (as vLLM)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

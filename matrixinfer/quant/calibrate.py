@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from matrixinfer.model.layers import LinearBase, RoutedExperts
 from matrixinfer.model.layers.quantization import UnquantizedExpertsMethod
+from matrixinfer.model.moe import Router
 
 
 @dataclass
@@ -77,7 +78,7 @@ def collect_stats(model, batches, max_rows: int = 512, progress=None) -> dict:
     stats: dict = {}
     hooks, swapped = [], []
     for name, module in model.named_modules():
-        if isinstance(module, LinearBase):
+        if isinstance(module, (LinearBase, Router)):  # the router's input: the whole MoE's, for smoothing
             stats[name] = InputStats(max_rows=max_rows)
             hooks.append(module.register_forward_pre_hook(lambda m, args, s=stats[name]: s.add(args[0])))
         elif isinstance(module, RoutedExperts):

@@ -5,10 +5,11 @@ compressed-tensors layout.
 Steps, each switchable (QuantizeOptions), in this order:
 1. smoothing, folded so that no op is added at inference:
    input_layernorm -> q_a|kv_a (or q|kv_a);  q_a_layernorm -> q_b;  kv_b's value rows -> o_proj;
-   dense MLP: post_attention_layernorm -> gate|up;  every MLP and expert: up rows -> down.
-   The routed and shared experts' gate|up are not smoothed: they read post_attention_layernorm
-   together with the router gate, which must see the unchanged input (never smooth into the
-   router);
+   post_attention_layernorm -> the dense MLP's gate|up, or the MoE's shared and routed
+   experts' gate|up together;  every MLP and expert: up rows -> down.
+   The router gate reads the MoE input too. It is never a smoothing target (its weights do not
+   enter the factors and it stays float); its columns are multiplied by s, so it sees exactly
+   the input it saw before and routes the same tokens;
 2. per-channel clip-ratio search of the weight scales (algorithms.search_clip);
 3. block-wise quantization with GPTQ error compensation (algorithms.gptq_quantize), else
    round to nearest.
@@ -51,9 +52,11 @@ def default_ignore(num_hidden_layers: int, num_mtp: int) -> list[str]:
     return ignore
 
 
-def _smooth(stats: InputStats, weights: list[torch.Tensor], fold, alpha, opts_log: list, name: str) -> None:
+def _smooth(stats: InputStats, weights: list[torch.Tensor], fold, alpha, opts_log: list, name: str,
+            also: list[InputStats] = ()) -> None:
     """Smooth the input shared by `weights` ([O_k, I] views, scaled by s per column in place);
-    fold(s) divides the producer of that input by s."""
+    fold(s) divides the producer of that input by s; `also`: other readers' statistics of
+    the same input, rescaled with it."""
     if alpha == "search":
         alpha = search_alpha(weights, stats.sample(), stats.act_max)
     w_max = torch.stack([w.float().abs().amax(0) for w in weights]).amax(0)
@@ -61,7 +64,8 @@ def _smooth(stats: InputStats, weights: list[torch.Tensor], fold, alpha, opts_lo
     for w in weights:
         w.mul_(s.to(w.dtype))
     fold(s)
-    stats.scaled(s)
+    for st in {id(x): x for x in (stats, *also)}.values():
+        st.scaled(s)
     opts_log.append((name, float(alpha)))
 
 
@@ -78,7 +82,8 @@ def smooth_model(model: DeepseekForCausalLM, stats: dict, alpha) -> list[tuple[s
 
         if attn.q_lora_rank is None:
             _smooth(stats[f"{p}.self_attn.q_proj"], [attn.q_proj.weight, attn.kv_a_proj_with_mqa.weight],
-                    div(layer.input_layernorm.weight), alpha, log, f"{p}.input_layernorm")
+                    div(layer.input_layernorm.weight), alpha, log, f"{p}.input_layernorm",
+                    [stats[f"{p}.self_attn.kv_a_proj_with_mqa"]])
         else:
             _smooth(stats[f"{p}.self_attn.fused_qkv_a_proj"], [attn.fused_qkv_a_proj.weight],
                     div(layer.input_layernorm.weight), alpha, log, f"{p}.input_layernorm")
@@ -94,8 +99,10 @@ def smooth_model(model: DeepseekForCausalLM, stats: dict, alpha) -> list[tuple[s
             _smooth(stats[f"{p}.mlp.gate_up_proj"], [layer.mlp.gate_up_proj.weight],
                     div(layer.post_attention_layernorm.weight), alpha, log, f"{p}.post_attention_layernorm")
             mlps.append((f"{p}.mlp", layer.mlp))
-        elif layer.mlp.shared_experts is not None:
-            mlps.append((f"{p}.mlp.shared_experts", layer.mlp.shared_experts))
+        else:
+            _smooth_moe_input(layer, stats, p, alpha, log)
+            if layer.mlp.shared_experts is not None:
+                mlps.append((f"{p}.mlp.shared_experts", layer.mlp.shared_experts))
         for name, mlp in mlps:  # up rows -> down
             w = mlp.gate_up_proj.weight
             half = w.shape[0] // 2
@@ -110,6 +117,27 @@ def smooth_model(model: DeepseekForCausalLM, stats: dict, alpha) -> list[tuple[s
                     _smooth(st, [experts.w2_weight[e]], div(w13, slice(w13.shape[0] // 2, None)), alpha, log,
                             f"{p}.mlp.experts.{e}.up_proj")
     return log
+
+
+def _smooth_moe_input(layer, stats: dict, p: str, alpha, log: list) -> None:
+    """post_attention_layernorm -> shared and routed experts' gate|up; the router gate's columns
+    take s so that its logits are unchanged. The router's statistics (every token) stand for
+    the input's."""
+    moe, norm = layer.mlp, layer.post_attention_layernorm.weight
+    weights, also = [], []
+    if moe.shared_experts is not None:
+        weights.append(moe.shared_experts.gate_up_proj.weight)
+        also.append(stats[f"{p}.mlp.shared_experts.gate_up_proj"])
+    experts = moe.experts
+    for e in range(len(experts.expert_ids)):
+        weights.append(experts.w13_weight[e])
+        also.append(stats[(f"{p}.mlp.experts", "w13", e)])
+    also = [st for st in also if st.count]
+
+    def fold(s):
+        norm.div_(s.to(norm.dtype))
+        moe.gate.weight.mul_(s.to(moe.gate.weight.dtype))
+    _smooth(stats[f"{p}.mlp.gate"], weights, fold, alpha, log, f"{p}.post_attention_layernorm", also)
 
 
 def quantize_weight(w: torch.Tensor, stats: InputStats | None, opts: QuantizeOptions):

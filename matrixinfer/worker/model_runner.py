@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from matrixinfer.engine.request import Logprob
+from matrixinfer.engine.request import Logprob, PromptLogprobs
 from matrixinfer.engine.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from matrixinfer.model.context import ForwardContext, forward_context
 from matrixinfer.model.deepseek import DeepseekForCausalLM
@@ -65,11 +65,14 @@ class ModelRunner:
             return ModelRunnerOutput([], [], failed_kv_load_request_ids=set(skip)) if driver else None
         num_decode = sum(1 for r in reqs[: sched.num_decode] if len(r.token_ids) == 1)
         sampling = [(i, r) for i, r in enumerate(reqs) if r.sample]
-        logits, hidden = self.forward(reqs, num_decode, [i for i, _ in sampling], with_hidden=True)
+        hidden_all = self.run(reqs, num_decode)
         if not driver:
             return None
+        prompt_logprobs = self.prompt_logprobs(reqs, hidden_all)
         if not sampling:
-            return ModelRunnerOutput([], [], failed_kv_load_request_ids=set(skip))
+            return ModelRunnerOutput([], [], failed_kv_load_request_ids=set(skip), prompt_logprobs=prompt_logprobs)
+        hidden = hidden_all[self._last_rows(reqs)[[i for i, _ in sampling]]]
+        logits = self.model.compute_logits(hidden)
         rows = [SamplingRow(r.params, r.prompt_token_ids or [], r.output_token_ids or [], self._generator(r),
                             r.eos_token_ids) for _, r in sampling]
         out = sample(logits, rows)
@@ -88,19 +91,40 @@ class ModelRunner:
                 top = dict(zip(top_ids[j][:k], top_vals[j][:k])) if k else {}
                 logprobs.append(Logprob(tokens[j], lps[j], top))
         return ModelRunnerOutput([r.request_id for _, r in sampling], tokens, logprobs, set(skip),
-                                 hidden.cpu() if sched.return_hidden_states else None)
+                                 hidden.cpu() if sched.return_hidden_states else None, prompt_logprobs)
 
     @torch.inference_mode()
-    def forward(self, reqs: list[ScheduledRequest], num_decode: int, logit_rows: list[int], with_hidden: bool = False):
-        """The model over one step's tokens; logits at the last token of reqs[i] for i in
-        logit_rows (and, with_hidden, the final hidden states there too)."""
+    def run(self, reqs: list[ScheduledRequest], num_decode: int) -> torch.Tensor:
+        """The model over one step's tokens: final hidden states [tokens, hidden]."""
         ids, pos, ctx = self.prepare(reqs, num_decode)
         with forward_context(ctx):
-            hidden = self.model(ids, pos)
-        last = torch.tensor([len(r.token_ids) for r in reqs], device=self.device).cumsum(0) - 1
-        hidden = hidden[last[logit_rows]]
-        logits = self.model.compute_logits(hidden)
-        return (logits, hidden) if with_hidden else logits
+            return self.model(ids, pos)
+
+    @torch.inference_mode()
+    def forward(self, reqs: list[ScheduledRequest], num_decode: int, logit_rows: list[int]) -> torch.Tensor:
+        """The model over one step's tokens; logits at the last token of reqs[i] for i in logit_rows."""
+        hidden = self.run(reqs, num_decode)
+        return self.model.compute_logits(hidden[self._last_rows(reqs)[logit_rows]])
+
+    def _last_rows(self, reqs: list[ScheduledRequest]) -> torch.Tensor:
+        return torch.tensor([len(r.token_ids) for r in reqs], device=self.device).cumsum(0) - 1
+
+    def prompt_logprobs(self, reqs: list[ScheduledRequest], hidden: torch.Tensor) -> dict[str, PromptLogprobs]:
+        """For chunks that ask: log-softmax (float32) of the logits at each position that
+        predicts a prompt token, that token's logprob and rank, and the top N."""
+        out, start = {}, 0
+        for r in reqs:
+            targets = r.next_prompt_token_ids
+            if r.prompt_logprobs is not None and targets:
+                lp = torch.log_softmax(self.model.compute_logits(hidden[start:start + len(targets)]).float(), dim=-1)
+                tgt = torch.tensor(targets, device=lp.device)
+                tok_lp = lp.gather(1, tgt[:, None])
+                ranks = (lp > tok_lp).sum(-1) + 1
+                top_vals, top_ids = lp.topk(r.prompt_logprobs, dim=-1)
+                out[r.request_id] = PromptLogprobs(tok_lp[:, 0].tolist(), ranks.tolist(), top_ids.tolist(),
+                                                   top_vals.tolist())
+            start += len(r.token_ids)
+        return out
 
     def _generator(self, r: ScheduledRequest) -> torch.Generator | None:
         if r.params.seed is None:
