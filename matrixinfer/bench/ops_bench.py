@@ -31,6 +31,7 @@ TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # plane values written when the collectives are skipped (--no-collectives); sourced as assumptions
 UNMEASURED_LATENCY_S, UNMEASURED_B_S = 50e-6, 1e9
 HOST_FIT_BATCHES = (1, 4, 8)  # engine decode steps (16-token prompts) the host costs are fitted to
+PREFILL_FIT = (1, 256)  # (prompts, tokens): the engine prefill the prefill factor is fitted to
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "matrixinfer-tiny-moe"
 
 
@@ -245,6 +246,21 @@ def engine_decode_step_s(llm, batch: int, prompt_len: int, steps: int = 16) -> f
     return max(0.0, min(run(1 + steps) for _ in range(3)) - min(run(1) for _ in range(3))) / steps
 
 
+def engine_prefill_s(llm, prompts: int, prompt_len: int) -> float:
+    """Time of one generate that only prefills (max_tokens=1), best of 3."""
+    from matrixinfer import SamplingParams
+
+    batch = [{"prompt_token_ids": [(11 * i + j) % 1000 + 3 for j in range(prompt_len)]} for i in range(prompts)]
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    llm.generate(batch, params, use_tqdm=False)  # warm-up
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        llm.generate(batch, params, use_tqdm=False)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 # ---------------------------------------------------------------- the hardware YAML
 
 @dataclass
@@ -278,7 +294,7 @@ def hardware_dict(res: OpsResult, name: str) -> dict:
         "ep_decode_plane": "scale_up",
         "planes": {p: {"name": n, "gb_s": round(f["coll_gb_s"], 4), "latency_us": round(f["coll_latency_us"], 3),
                        "per_peer_us": 0.0, "domain": 0} for p, n in (("scale_up", "local gloo"), ("scale_out", "local gloo"))},
-        "host": {k: round(f[k], 3) for k in ("step_overhead_us", "per_seq_us", "op_launch_us")},
+        "host": {k: round(f[k], 3) for k in ("step_overhead_us", "per_seq_us", "op_launch_us", "prefill_factor")},
     }
     raw["planes"]["vpc_node_gb_s"] = round(f["coll_gb_s"], 4)
     src = {"devices": "hardware fact: one local device", "devices_per_node": "hardware fact: one local device",
@@ -291,7 +307,9 @@ def hardware_dict(res: OpsResult, name: str) -> dict:
            "efficiency.overlap": "assumption: unused, the local engine runs one microbatch",
            "host.step_overhead_us": f"{m}: engine decode steps at batch 1, 4, 8 (16-token prompts) minus modelled operators, line fit",
            "host.per_seq_us": f"{m}: engine decode steps at batch 1, 4, 8 (16-token prompts) minus modelled operators, line fit",
-           "host.op_launch_us": f"{m}: a 1-element add, timed in a loop"}
+           "host.op_launch_us": f"{m}: a 1-element add, timed in a loop",
+           "host.prefill_factor": f"fitted to one engine prefill ({PREFILL_FIT[0]} x {PREFILL_FIT[1]} tokens) {m}: "
+                                  "(measured - host costs) / modelled operators"}
     for d in tflops:
         src[f"device.tflops.{d}"] = f"{m}: fastest GEMM of the {d} sweep"
         src[f"efficiency.gemm.{d}"] = f"{m}: slope of the {d} GEMM sweep / its peak"
@@ -305,6 +323,7 @@ def hardware_dict(res: OpsResult, name: str) -> dict:
     src["planes.vpc_node_gb_s"] = coll
     if not res.engine_steps_s:
         src["host.step_overhead_us"] = src["host.per_seq_us"] = "assumption: 0, not measured (--no-engine)"
+        src["host.prefill_factor"] = "assumption: 1, not measured (--no-engine)"
     raw["sources"] = src
     return raw
 
@@ -329,7 +348,7 @@ def fit(res_partial: dict, model_dir: Path, precision: str) -> dict:
               "op_launch_us": 1e6 * res_partial["op_launch_s"], "coll_latency_us": max(1e-3, 1e6 * lat), "coll_gb_s": bw / 1e9,
               "memory_gb": round((torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available()
                                   else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / 1e9, 1),
-              "step_overhead_us": 0.0, "per_seq_us": 0.0}
+              "step_overhead_us": 0.0, "per_seq_us": 0.0, "prefill_factor": 1.0}
     steps = res_partial["engine_steps_s"]
     if steps:
         # host cost = measured engine step - modelled operators, linear in the batch
@@ -341,6 +360,12 @@ def fit(res_partial: dict, model_dir: Path, precision: str) -> dict:
         fixed, per_seq = fit_line(bs, resid) if len(bs) > 1 else (resid[0], 0.0)
         fitted["per_seq_us"] = max(0.0, 1e6 * per_seq)
         fitted["step_overhead_us"] = max(0.0, 1e6 * fixed)
+        prefill = res_partial.get("engine_prefill_s")
+        if prefill:
+            hw = hardware_from_dict(hardware_dict(OpsResult(res_partial["machine"], gemm, attn,
+                                                            res_partial["bandwidth_gb_s"], coll, steps, fitted), "tmp"))
+            modelled = local.prefill_step(hw, model, *PREFILL_FIT, precision)
+            fitted["prefill_factor"] = max(1.0, (prefill - modelled.host_s) / modelled.ops_s)
     return fitted
 
 
@@ -368,8 +393,9 @@ def run_ops(model_dir: Path = DEFAULT_MODEL, dtype: str = "float32", engine: boo
             for b in HOST_FIT_BATCHES:
                 steps[str(b)] = engine_decode_step_s(llm, b, 16)
                 bar.update()
+            prefill_s = engine_prefill_s(llm, *PREFILL_FIT)
     partial = {"machine": machine, "gemm": gemm, "attention": attn, "bandwidth_gb_s": bw, "op_launch_s": launch,
-               "collectives": coll, "engine_steps_s": steps}
+               "collectives": coll, "engine_steps_s": steps, "engine_prefill_s": prefill_s if engine else None}
     return OpsResult(machine, gemm, attn, bw, coll, steps, fit(partial, Path(model_dir), precision))
 
 
@@ -401,7 +427,8 @@ def cmd_bench_ops(args) -> int:
               ["memory bandwidth GB/s", res.bandwidth_gb_s], ["absorbed MLA rate / fp32 peak", f["mla_compute"]],
               ["op launch us", f["op_launch_us"]], ["gloo all-to-all latency us", f["coll_latency_us"]],
               ["gloo all-to-all GB/s", f["coll_gb_s"]], ["engine step overhead us", f["step_overhead_us"]],
-              ["engine per-sequence us", f["per_seq_us"]]]))
+              ["engine per-sequence us", f["per_seq_us"]],
+              ["engine prefill factor (eager prefill / rooflines)", f["prefill_factor"]]]))
     write_section("ops", "## Operator costs of this machine (`matrixinfer bench ops`)\n\n" + md)
     print(md)
     return 0

@@ -100,6 +100,9 @@ class HostSpec:
     step_overhead_us: float = 0.0  # scheduler, input preparation, sampling: per step
     per_seq_us: float = 0.0  # per running sequence per step
     op_launch_us: float = 0.0  # dispatch cost of one operator launch
+    # an eager engine's prefill operators (per-sequence attention, padded expert groups) over
+    # their rooflines; 1 for a graph-mode instance
+    prefill_factor: float = 1.0
 
 
 SOURCE_KINDS = ("hardware fact", "paper measurement", "fitted", "assumption", "measured on")

@@ -8,7 +8,9 @@ single-device engine adds and a supernode's graph-mode instance does not:
   operators    per layer: MLA projections, absorbed attention core (plus the gather of the
                paged latents into one tensor: a read and a write of every cached token),
                gate + experts (MoE layers) or the dense FFN; then lm_head on one token per sequence
-  prefill      the same with the expanded attention (kv_b on every cached latent, causal pairs)
+  prefill      the same with the expanded attention (kv_b on every cached latent, causal pairs),
+               its operators scaled by host.prefill_factor (fitted once: the eager engine's
+               per-sequence attention loop and padded expert groups are slower than rooflines)
 No expert parallelism, no microbatches: every expert lives on the device.
 """
 
@@ -52,8 +54,8 @@ def _head(model: ModelSpec, seqs: float, precision: str) -> Op:
     return Op("lm_head", 2.0 * seqs * p, p * BYTES[precision], precision)
 
 
-def _total(hw: HardwareSpec, ops: list[Op], seqs: float) -> LocalStep:
-    ops_s = sum(costs.op_time(o, hw).time_s for o in ops)
+def _total(hw: HardwareSpec, ops: list[Op], seqs: float, factor: float = 1.0) -> LocalStep:
+    ops_s = factor * sum(costs.op_time(o, hw).time_s for o in ops)
     h = hw.host
     host = (h.step_overhead_us + h.per_seq_us * seqs + h.op_launch_us * len(ops)) * 1e-6
     return LocalStep(ops_s + host, ops_s, host, len(ops))
@@ -89,7 +91,7 @@ def decode_step(hw: HardwareSpec, model: ModelSpec, batch: int, kv_len: float, p
 
 def prefill_step(hw: HardwareSpec, model: ModelSpec, prompts: int, prompt_len: int, precision: str = "fp32") -> LocalStep:
     """All prompts in one engine step (the token budget holds them)."""
-    return _total(hw, prefill_ops(model, prompts, prompt_len, precision), prompts)
+    return _total(hw, prefill_ops(model, prompts, prompt_len, precision), prompts, hw.host.prefill_factor)
 
 
 @dataclass(frozen=True)

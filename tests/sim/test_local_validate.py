@@ -28,6 +28,16 @@ def test_host_terms_add_to_the_operators():
     assert step.time_s - bare.time_s == pytest.approx((1000 + 4 * 100 + 10 * step.n_ops) * 1e-6)
 
 
+def test_prefill_factor_scales_prefill_operators_only():
+    """The fitted eager-prefill factor multiplies the prefill operators, not the host terms or decode."""
+    m = load_model(TINY)
+    hw1 = hardware_from_dict(LOCAL)
+    hw2 = hardware_from_dict(LOCAL | {"host": LOCAL["host"] | {"prefill_factor": 2.0}})
+    p1, p2 = local.prefill_step(hw1, m, 2, 128), local.prefill_step(hw2, m, 2, 128)
+    assert p2.ops_s == pytest.approx(2 * p1.ops_s) and p2.host_s == pytest.approx(p1.host_s)
+    assert local.decode_step(hw2, m, 4, 128).time_s == pytest.approx(local.decode_step(hw1, m, 4, 128).time_s)
+
+
 def test_latent_gather_reads_and_writes_every_cached_token():
     """Paged decode copies batch x KV latents (80 floats of 4 B) per layer: read + write."""
     m = load_model(TINY)
