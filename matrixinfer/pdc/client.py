@@ -17,6 +17,7 @@ Hand-off protocol (per sample of a request; docs/pdc.md has the failure cases):
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
@@ -32,6 +33,7 @@ from matrixinfer.pdc.router import make_router
 
 
 log = logging.getLogger(__name__)
+MAX_QUICK_RESTARTS, QUICK_DEATH_S = 3, 30.0  # a crash loop is not restarted forever
 HANDOFF_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
@@ -89,6 +91,8 @@ class PDCClient(AsyncLLM):
         self._on_shutdown = on_shutdown
         self.restart_instances = restart_instances
         self._closing = False
+        # at interpreter exit multiprocessing terminates daemonic children: that is not a death to repair
+        atexit.register(self._stop_restarting)
         self.handoff_latency = HandoffLatency()
         self.kv_bytes_per_token = first.kv_bytes_per_token
         for inst in instances:
@@ -218,8 +222,15 @@ class PDCClient(AsyncLLM):
                     self.routes.pop(cid, None)
                     self._fail_request(cid.split("#")[0], e)
         log.warning("%s (pid %d) died; %d request(s) moved", inst.name, inst.pid, len(moved))
-        if self.restart_instances and not self._closing:
+        crash_loop = inst.restarts >= MAX_QUICK_RESTARTS and time.monotonic() - inst.started < QUICK_DEATH_S
+        if crash_loop:
+            log.error("%s died %d times within %.0f s of starting: not restarting it", inst.name, inst.restarts + 1,
+                      QUICK_DEATH_S)
+        elif self.restart_instances and not self._closing:
             threading.Thread(target=self.restart, args=(inst,), name=f"restart-{inst.name}", daemon=True).start()
+
+    def _stop_restarting(self) -> None:
+        self._closing = True
 
     def restart(self, inst: Instance) -> Instance:
         """Start a fresh process for a dead instance; it rejoins (same role and name) and takes load."""
@@ -251,6 +262,7 @@ class PDCClient(AsyncLLM):
 
     def shutdown(self) -> None:
         self._closing = True
+        atexit.unregister(self._stop_restarting)
         for inst in self.instances:
             inst.shutdown()
         self._fail_all(RuntimeError("the engine is shutting down"))

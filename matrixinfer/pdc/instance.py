@@ -4,6 +4,8 @@ holds, and the load the peer scheduler reads."""
 
 from __future__ import annotations
 
+import time
+
 from matrixinfer.config import EngineConfig
 from matrixinfer.engine.core_client import MPCoreClient
 from matrixinfer.engine.messages import EngineCoreRequest, SchedulerStats
@@ -12,6 +14,7 @@ from matrixinfer.engine.messages import EngineCoreRequest, SchedulerStats
 class Instance:
     def __init__(self, role: str, index: int, config: EngineConfig, restarts: int = 0, ray: bool = False):
         self.role, self.index, self.config, self.restarts, self.ray = role, index, config, restarts, ray
+        self.started = time.monotonic()
         self.name = f"{role}-{index}"
         title = f"matrixinfer::{self.name}"
         if ray:  # an actor on whichever node Ray picks
