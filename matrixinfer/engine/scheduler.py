@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from matrixinfer.config import CacheConfig, SchedulerConfig
+from matrixinfer.config import SchedulerConfig
 from matrixinfer.engine.kv_cache_manager import KVCacheManager
 from matrixinfer.engine.messages import EngineCoreOutput, SchedulerStats
 from matrixinfer.engine.request import Logprob, PromptLogprobs, Request, RequestStatus
@@ -67,8 +67,7 @@ class ModelRunnerOutput:
 
 
 class Scheduler:
-    def __init__(self, sched: SchedulerConfig, cache: CacheConfig, kv: KVCacheManager, max_model_len: int,
-                 connector=None):
+    def __init__(self, sched: SchedulerConfig, kv: KVCacheManager, max_model_len: int, connector=None):
         self.max_num_seqs, self.max_num_batched_tokens = sched.max_num_seqs, sched.max_num_batched_tokens
         self.max_model_len = max_model_len
         self.kv = kv
@@ -137,7 +136,6 @@ class Scheduler:
             scheduled[req.request_id] = want
             budget -= want
         # 2. waiting requests join while there is budget, room and cache
-        loads: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             # a cached prefix has no logits: a request wanting prompt logprobs computes its prompt
@@ -161,7 +159,6 @@ class Scheduler:
             req.num_external_tokens = num_external
             if num_external:
                 self.connector.update_state_after_alloc(req, num_local, num_external)
-                loads.append(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             scheduled[req.request_id] = want

@@ -18,7 +18,7 @@ from matrixinfer.config import EngineConfig, ModelConfig
 from matrixinfer.engine.core_client import EngineDeadError, InprocCoreClient, MPCoreClient
 from matrixinfer.engine.messages import EngineCoreOutputs
 from matrixinfer.frontend.output_processor import OutputProcessor
-from matrixinfer.frontend.processor import Processor
+from matrixinfer.frontend.processor import Processor, parent_id
 from matrixinfer.frontend.tokenizer import Tokenizer
 
 
@@ -156,9 +156,13 @@ class AsyncLLM:
     def stats(self):
         from matrixinfer.serving.async_engine import EngineStats
 
-        s = self._stats
+        s = self.scheduler_stats()
         return EngineStats(num_running=s.num_running, num_waiting=s.num_waiting, kv_cache_usage=s.kv_cache_usage,
                            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits)
+
+    def scheduler_stats(self):
+        """The engine core's last SchedulerStats."""
+        return self._stats
 
     def shutdown(self) -> None:
         self.core.shutdown()
@@ -175,7 +179,7 @@ class AsyncLLM:
                     return
                 continue
             if isinstance(item, tuple):  # ("rejected", (engine request id, message))
-                self._fail_request(item[1][0].split("#")[0], ValueError(item[1][1]))
+                self._fail_request(parent_id(item[1][0]), ValueError(item[1][1]))
                 continue
             self._on_outputs(item)
 

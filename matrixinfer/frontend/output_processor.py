@@ -100,6 +100,11 @@ class OutputProcessor:
         state = self.requests.get(request_id)
         return [cid for cid, s in state.children.items() if s.finish_reason is None] if state else []
 
+    def streamed_tokens(self, child_id: str) -> list[int] | None:
+        """Token ids of one sample so far (None: its request is gone)."""
+        state = self._parent.get(child_id)
+        return None if state is None else list(state.children[child_id].token_ids)
+
     def remove(self, request_id: str) -> None:
         state = self.requests.pop(request_id, None)
         for cid in state.children if state else []:

@@ -14,6 +14,11 @@ def child_id(request_id: str, index: int, n: int) -> str:
     return request_id if n == 1 else f"{request_id}#{index}"
 
 
+def parent_id(engine_request_id: str) -> str:
+    """The request an engine request (one of its n samples) belongs to."""
+    return engine_request_id.split("#")[0]
+
+
 class Processor:
     def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int, eos_token_ids: list[int]):
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len

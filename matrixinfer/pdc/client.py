@@ -28,6 +28,7 @@ from matrixinfer.config import EngineConfig
 from matrixinfer.engine.core_client import EngineDeadError
 from matrixinfer.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from matrixinfer.frontend.async_llm import AsyncLLM
+from matrixinfer.frontend.processor import parent_id
 from matrixinfer.pdc.instance import Instance
 from matrixinfer.pdc.router import make_router
 
@@ -142,10 +143,6 @@ class PDCClient(AsyncLLM):
                 if route is not None:
                     route.instance.abort([cid])
 
-    def _streamed_tokens(self, child_id: str) -> list[int] | None:
-        state = self.output_processor._parent.get(child_id)
-        return None if state is None else list(state.children[child_id].token_ids)
-
     # -- outputs ----------------------------------------------------------------------------------
     def _dispatch_instance(self, inst: Instance) -> None:
         while True:
@@ -155,17 +152,16 @@ class PDCClient(AsyncLLM):
                 return
             if isinstance(item, BaseException):  # a failed step: the requests in flight there fail
                 for cid in list(inst.requests):
-                    self._fail_request(cid.split("#")[0], item)
+                    self._fail_request(parent_id(cid), item)
                 continue
             if isinstance(item, tuple):  # ("rejected", (engine request id, message))
-                self._fail_request(item[1][0].split("#")[0], ValueError(item[1][1]))
+                self._fail_request(parent_id(item[1][0]), ValueError(item[1][1]))
                 continue
             self._instance_outputs(inst, item)
 
     def _instance_outputs(self, inst: Instance, out: EngineCoreOutputs) -> None:
         if out.stats is not None:
             inst.stats = out.stats
-            self._stats = self._aggregate_stats()
         handoff = []
         with self._lock:
             outputs = []
@@ -173,7 +169,7 @@ class PDCClient(AsyncLLM):
                 route = self.routes.get(o.request_id)
                 if route is None or route.instance is not inst:
                     continue  # aborted, or already moved elsewhere
-                if o.finished and inst.role == "prefill" and o.finish_reason == "length" and self._wants_more(route, o):
+                if o.finished and inst.role == "prefill" and o.finish_reason == "length" and self._wants_more(route):
                     o = replace(o, finish_reason=None)  # the cap was ours: decode goes on
                     handoff.append(o.request_id)
                 if inst.role == "decode":
@@ -188,16 +184,16 @@ class PDCClient(AsyncLLM):
                 outputs.append(o)
             self._on_outputs(EngineCoreOutputs(outputs))
             for cid in handoff:
-                tokens = self._streamed_tokens(cid)
+                tokens = self.output_processor.streamed_tokens(cid)
                 if tokens is None or cid not in self.routes:
                     continue  # finished by a stop string, or aborted, meanwhile
                 inst.handed_off += 1
                 try:
                     self._to_decode(cid, tokens)
                 except NoInstanceError as e:
-                    self._fail_request(cid.split("#")[0], e)
+                    self._fail_request(parent_id(cid), e)
 
-    def _wants_more(self, route: Route, o) -> bool:
+    def _wants_more(self, route: Route) -> bool:
         p, r = route.request.params, route.request
         return (p.max_tokens is None or p.max_tokens > 1) and len(r.prompt_token_ids) + 1 < self.max_model_len
 
@@ -210,7 +206,7 @@ class PDCClient(AsyncLLM):
             inst.requests.clear()
             for cid in moved:
                 route = self.routes[cid]
-                tokens = self._streamed_tokens(cid)
+                tokens = self.output_processor.streamed_tokens(cid)
                 try:
                     if tokens is None:
                         self.routes.pop(cid, None)
@@ -220,7 +216,7 @@ class PDCClient(AsyncLLM):
                         self._to_decode(cid, tokens)
                 except NoInstanceError as e:
                     self.routes.pop(cid, None)
-                    self._fail_request(cid.split("#")[0], e)
+                    self._fail_request(parent_id(cid), e)
         log.warning("%s (pid %d) died; %d request(s) moved", inst.name, inst.pid, len(moved))
         crash_loop = inst.restarts >= MAX_QUICK_RESTARTS and time.monotonic() - inst.started < QUICK_DEATH_S
         if crash_loop:
@@ -248,7 +244,8 @@ class PDCClient(AsyncLLM):
     def role_stats(self) -> list[dict]:
         return [i.info() for i in self.instances]
 
-    def _aggregate_stats(self):
+    def scheduler_stats(self):
+        """The live instances' stats summed (KV usage: the fullest instance), when asked."""
         from matrixinfer.engine.messages import SchedulerStats
 
         live = [i.stats for i in self.instances if i.alive]

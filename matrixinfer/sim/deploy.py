@@ -53,24 +53,23 @@ def predict(dep: Deployment, hw: HardwareSpec, model: ModelSpec, batch: float, k
     d = dep.decode
     cap = hbm_check(hw, model, batch, kv, batch * (1 + d.speculative_num_tokens), wp, "bf16", d.dispatch_dtype,
                     d.tensor_parallel_size, d.expert_parallel_size)
-    role = {"capacity_gb": asdict(cap) | {"used": cap.used_gb}, "fits": cap.fits}
-    if cap.fits:
-        r = decode_step(hw, model, _decode_cfg(dep, batch, kv, acceptance))
-        role |= {"step_ms": r.step_ms, "tpot_ms": r.tpot_ms, "tokens_per_s_per_device": r.tokens_per_s_per_device}
-    else:
-        role["error"] = cap.message("decode")
-    out["decode"] = role
+    out["decode"] = _role("decode", cap, lambda: decode_step(hw, model, _decode_cfg(dep, batch, kv, acceptance)),
+                          ("step_ms", "tpot_ms", "tokens_per_s_per_device"))
     p = dep.prefill or dep.decode
     cap = hbm_check(hw, model, prefill_tokens / prompt, prompt, prefill_tokens, wp, "bf16", "int8",
                     p.tensor_parallel_size, p.expert_parallel_size)
-    role = {"capacity_gb": asdict(cap) | {"used": cap.used_gb}, "fits": cap.fits}
-    if cap.fits:
-        r = prefill_batch(hw, model, _prefill_cfg(dep, prefill_tokens, prompt, hw))
-        role |= {"batch_s": r.batch_s, "ttft_s": r.ttft_s, "tokens_per_s_per_device": r.tokens_per_s_per_device}
-    else:
-        role["error"] = cap.message("prefill")
-    out["prefill"] = role
+    out["prefill"] = _role("prefill", cap, lambda: prefill_batch(hw, model, _prefill_cfg(dep, prefill_tokens, prompt, hw)),
+                           ("batch_s", "ttft_s", "tokens_per_s_per_device"))
     return out
+
+
+def _role(name: str, cap, predict_role, keys: tuple[str, ...]) -> dict:
+    """One role's capacity check and, when it fits, its predicted timings."""
+    role = {"capacity_gb": asdict(cap) | {"used": cap.used_gb}, "fits": cap.fits}
+    if not cap.fits:
+        return role | {"error": cap.message(name)}
+    r = predict_role()
+    return role | {k: getattr(r, k) for k in keys}
 
 
 def serve(dep: Deployment, hw: HardwareSpec, model: ModelSpec, rate: float, requests: int, prompt: int,

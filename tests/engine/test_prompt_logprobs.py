@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from matrixinfer import LLM, SamplingParams
-from matrixinfer.config import DEFAULT_MODEL, CacheConfig, SchedulerConfig
+from matrixinfer.config import DEFAULT_MODEL, SchedulerConfig
 from matrixinfer.engine.kv_cache_manager import KVCacheManager
 from matrixinfer.engine.request import Request
 from matrixinfer.engine.scheduler import Scheduler
@@ -90,7 +90,7 @@ class CountingConnector:
 
 def test_connector_is_not_asked_for_prompt_logprobs_requests():
     connector = CountingConnector()
-    sched = Scheduler(SchedulerConfig(), CacheConfig(block_size=4), KVCacheManager(16, 4), 64, connector)
+    sched = Scheduler(SchedulerConfig(), KVCacheManager(16, 4), 64, connector)
     sched.add_request(Request("plain", PROMPTS[1], SamplingParams()))
     sched.add_request(Request("scored", PROMPTS[1], SamplingParams(prompt_logprobs=1)))
     out = sched.schedule()

@@ -116,7 +116,7 @@ def test_greedy_through_pdc_equals_the_colocated_engine(stack, reference):
                                    extra_body={"ignore_eos": True})
     assert "".join(c.choices[0].text for c in chunks) == reference[PROMPTS[2]]
     assert client.prefill[0].handed_off >= len(PROMPTS) * 4
-    assert client._stats.external_cache_hits > 0  # decode loaded prompts' blocks from EMS
+    assert client.scheduler_stats().external_cache_hits > 0  # decode loaded prompts' blocks from EMS
     assert _idle(client)
 
 
@@ -238,9 +238,9 @@ def test_a_killed_ems_server_costs_recomputation_not_requests(stack, reference):
     pages, recompute the prompt and answer exactly as before."""
     client, server, tenants = stack
     auth = {"Authorization": f"Bearer {tenants.add_key('tenant-c')}"}
-    before = client._stats.external_cache_hits
+    before = client.scheduler_stats().external_cache_hits
     client.ems_cluster.kill_server(0)
     for p in PROMPTS:
         assert _complete(server, p + " ", headers=auth)[0] == reference[p + " "]
-    assert client._stats.external_cache_hits == before
+    assert client.scheduler_stats().external_cache_hits == before
     assert _idle(client)

@@ -71,7 +71,7 @@ def test_pdc_roles_as_ray_actors(text_checkpoint, ray_cluster):
             assert ppid != os.getpid()
             assert Path(f"/proc/{inst.pid}/cmdline").read_bytes().startswith(b"ray::CoreActor")
         assert _generate(client, "a") == expected
-        assert client.prefill[0].handed_off == 1 and client._stats.external_cache_hits > 0
+        assert client.prefill[0].handed_off == 1 and client.scheduler_stats().external_cache_hits > 0
         client.decode[0].client.kill()  # the decode actor dies: the next request uses the restarted one
         deadline = time.monotonic() + 120
         while not (client.decode[0].alive and client.decode[0].restarts == 1):
