@@ -183,6 +183,9 @@ class ParallelConfig:
     data_parallel_size: int = 1
     executor: str = "auto"  # "uni" (in-process) | "mp" (one OS process per rank) | auto: mp when world > 1
     distributed_timeout_s: float = 120.0
+    # expert parallelism: how dispatch sends tokens (auto: the model dtype, lossless; int8: the
+    # paper's per-token quantization, about half the bytes)
+    dispatch_dtype: str = "auto"
 
     @property
     def world_size(self) -> int:
@@ -245,6 +248,7 @@ class EngineConfig:
         "expert_parallel_size": ("parallel", "expert_parallel_size"),
         "data_parallel_size": ("parallel", "data_parallel_size"),
         "distributed_executor_backend": ("parallel", "executor"),
+        "dispatch_dtype": ("parallel", "dispatch_dtype"),
         "quantization": ("quantization", "method"),
     }
 
@@ -266,14 +270,29 @@ class EngineConfig:
                     setattr(section, k, v)
             else:
                 raise TypeError(f"unknown engine argument {key!r}")
+        if cfg.parallel.expert_parallel_size > 1 and "enable_prefix_caching" not in kwargs:
+            cfg.cache.enable_prefix_caching = False  # a cached block lives on the rank that wrote it
         cfg.validate()
         return cfg
 
     def validate(self) -> None:
         if self.parallel.world_size < 1 or self.parallel.tensor_parallel_size < 1:
             raise ValueError("parallel sizes must be >= 1")
-        if self.parallel.expert_parallel_size != 1 or self.parallel.data_parallel_size != 1:
-            raise ValueError("expert_parallel_size and data_parallel_size > 1 are not built yet")
+        if self.parallel.expert_parallel_size < 1:
+            raise ValueError("parallel sizes must be >= 1")
+        if self.parallel.data_parallel_size != 1:
+            raise ValueError("data_parallel_size > 1 is not built (attention runs data parallel inside an "
+                             "expert-parallel group: use expert_parallel_size)")
+        if self.parallel.dispatch_dtype not in ("auto", "int8", "bfloat16", "float32"):
+            raise ValueError(f"unknown dispatch_dtype {self.parallel.dispatch_dtype!r} (auto, int8, bfloat16, float32)")
+        if self.parallel.expert_parallel_size > 1:
+            if self.cache.enable_prefix_caching:
+                raise ValueError("prefix caching with expert_parallel_size > 1 is not supported: each rank holds the "
+                                 "KV of its own requests, so a cached block is on one rank only")
+            if self.kv_transfer.connector is not None:
+                raise ValueError("a KV connector with expert_parallel_size > 1 is not built yet")
+            if self.speculative.method is not None:
+                raise ValueError("speculative decoding with expert_parallel_size > 1 is not built yet")
         if self.parallel.executor not in ("auto", "uni", "mp"):
             raise ValueError(f"unknown executor {self.parallel.executor!r} (auto, uni, mp)")
         if self.parallel.executor == "uni" and self.parallel.world_size > 1:
@@ -303,6 +322,10 @@ class EngineConfig:
         p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
         p.add_argument("--max-model-len", type=int, default=None)
         p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+        p.add_argument("--expert-parallel-size", "-ep", type=int, default=1,
+                       help="EP ranks (x tp processes): attention data parallel, routed experts partitioned")
+        p.add_argument("--dispatch-dtype", default="auto", choices=["auto", "int8", "bfloat16", "float32"],
+                       help="how MoE dispatch sends tokens between EP ranks (auto: the model dtype)")
         p.add_argument("--distributed-executor-backend", default="auto", choices=["auto", "uni", "mp"])
         p.add_argument("--kv-connector", default=None, choices=["ems"])
         p.add_argument("--ems-controller", default=None, help="HOST:PORT of the EMS controller")
@@ -333,6 +356,10 @@ class EngineConfig:
             raise ValueError(f"prefill.prefill_parallel: {p.prefill_parallel}: only dp is served yet")
         kw = dict(dtype=dep.dtype, tensor_parallel_size=d.tensor_parallel_size,
                   expert_parallel_size=d.expert_parallel_size)
+        if d.expert_parallel_size > 1:
+            if d.dispatch_dtype not in ("int8", "bf16"):
+                raise ValueError(f"decode.dispatch_dtype: {d.dispatch_dtype}: int8 or bf16 is served")
+            kw["dispatch_dtype"] = {"bf16": "bfloat16"}.get(d.dispatch_dtype, d.dispatch_dtype)
         if d.speculative_num_tokens:
             kw["speculative_config"] = {"method": "mtp", "num_speculative_tokens": d.speculative_num_tokens}
         return cls.from_kwargs(dep.model, **{**kw, **overrides})
@@ -342,12 +369,15 @@ class EngineConfig:
         kv = {"connector": args.kv_connector, "ems_controller": args.ems_controller}
         kw = dict(device=args.device, seed=args.seed or 0,
                   block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
-                  enable_prefix_caching=not args.no_prefix_caching, max_num_seqs=args.max_num_seqs,
+                  max_num_seqs=args.max_num_seqs, dispatch_dtype=args.dispatch_dtype,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                   distributed_executor_backend=args.distributed_executor_backend, kv_transfer_config=kv,
                   load_format=args.load_format, model_source_mbps=args.model_source_mbps)
+        if args.no_prefix_caching:  # on by default, off by default with expert parallelism
+            kw["enable_prefix_caching"] = False
         if args.deployment:
             from matrixinfer.deployment import load_deployment
 
             return cls.from_deployment(load_deployment(args.deployment), **kw)
-        return cls.from_kwargs(args.model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size, **kw)
+        return cls.from_kwargs(args.model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
+                               expert_parallel_size=args.expert_parallel_size, **kw)

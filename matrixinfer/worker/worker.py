@@ -54,10 +54,39 @@ class Worker:
                              "is not quantized (write one with `matrixinfer quantize --model DIR --out DIR`)")
         self.max_model_len = max_model_len_of(config, self.model.config.max_position_embeddings)
         self.num_blocks = num_kv_blocks(config, self.model, self.max_model_len)
-        self.runner = ModelRunner(self.model, self.num_blocks, config.cache.block_size, self.device)
+        self.runner = self._make_runner()
         self.connector = make_worker_connector(config.kv_transfer, rank)
         if self.connector is not None:
             self.connector.register_kv_cache(self.runner.kv_cache)
+
+    def expert_ids(self) -> list[int] | None:
+        """The routed experts this rank holds (None: all of them)."""
+        ep = self.config.parallel.expert_parallel_size
+        if ep == 1:
+            return None
+        from matrixinfer.config import ModelConfig
+        from matrixinfer.parallel import expert_partition, get_ep_group
+
+        n = ModelConfig.from_pretrained(self.config.model).n_routed_experts
+        return expert_partition(n, ep)[get_ep_group().rank]
+
+    def _make_runner(self) -> ModelRunner:
+        block_size = self.config.cache.block_size
+        if self.config.parallel.expert_parallel_size == 1:
+            return ModelRunner(self.model, self.num_blocks, block_size, self.device)
+        from matrixinfer.parallel import expert_partition, get_ep_group
+        from matrixinfer.parallel.ep_comm import EPDispatcher, set_dispatcher
+        from matrixinfer.worker.data_parallel import DataParallelRunner
+
+        cfg, group = self.model.config, get_ep_group()
+        owner = [r for r, ids in enumerate(expert_partition(cfg.n_routed_experts, group.size)) for _ in ids]
+        dtype = self.model.lm_head.weight.dtype
+        dispatch = self.config.parallel.dispatch_dtype
+        dispatch = str(dtype).removeprefix("torch.") if dispatch == "auto" else dispatch
+        dispatcher = EPDispatcher(group, owner, cfg.num_experts_per_tok, cfg.hidden_size,
+                                  self.config.scheduler.max_num_batched_tokens, dispatch, dtype, self.device)
+        set_dispatcher(dispatcher)
+        return DataParallelRunner(self.model, self.num_blocks, block_size, self.device, group, dispatcher)
 
     def info(self):
         """What the executor tells the engine core about this rank once it is up."""
@@ -70,7 +99,8 @@ class Worker:
 
     def _load(self):
         if self.config.load_format != "ems":
-            return load_model(self.config.model, dtype=self.config.dtype, device=self.device)
+            return load_model(self.config.model, dtype=self.config.dtype, device=self.device,
+                              expert_ids=self.expert_ids())
         from matrixinfer.ems.client import EMSClient
         from matrixinfer.ems.model_cache import ModelCache, ThrottledSource
 
@@ -81,7 +111,8 @@ class Worker:
             cache = ModelCache(client, source, model_name=str(self.config.model))
             try:
                 tensors, self.load_report = cache.load()
-                return load_model(self.config.model, dtype=self.config.dtype, device=self.device, weights=tensors)
+                return load_model(self.config.model, dtype=self.config.dtype, device=self.device, weights=tensors,
+                                  expert_ids=self.expert_ids())
             finally:
                 cache.close()
 
@@ -96,7 +127,7 @@ class Worker:
                                 timeout=timeout)
         # control messages (failed KV loads) go over a CPU group whatever the device backend
         self.cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
-        init_model_parallel(self.config.parallel.tensor_parallel_size)
+        init_model_parallel(self.config.parallel.tensor_parallel_size, self.config.parallel.expert_parallel_size)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
         skip: set[str] = set()
@@ -124,7 +155,9 @@ class Worker:
             import torch.distributed as dist
 
             from matrixinfer.parallel import destroy_model_parallel
+            from matrixinfer.parallel.ep_comm import set_dispatcher
 
+            set_dispatcher(None)
             destroy_model_parallel()
             if dist.is_initialized():
                 dist.destroy_process_group()

@@ -56,6 +56,12 @@ class RoutedExperts(nn.Module):
             target = target.narrow(dim, PIECES.index(piece) * half, half)
         copy_shard(target, loaded_weight, dim, self.tp_rank, self.tp_size)
 
+    def local_of(self, ids: torch.Tensor) -> torch.Tensor:
+        """Global expert ids (-1: none) -> local slots, -1 where the expert is held elsewhere."""
+        if self.local_index.device != ids.device:
+            self.local_index = self.local_index.to(ids.device)
+        return torch.where(ids >= 0, self.local_index[ids.clamp_min(0)], -1)
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [N, H], routing weights/ids [N, top_k] -> this rank's partial sum [N, H] of the
         weighted outputs of the local experts (pairs routed elsewhere contribute nothing)."""

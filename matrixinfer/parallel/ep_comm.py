@@ -1,0 +1,235 @@
+"""Fused dispatch / combine for expert parallelism, over static double buffers.
+
+Dispatch moves each token to the EP ranks that hold its top-k experts in ONE exchange
+(`all_to_all_single`, which gloo and NCCL both have); combine brings the weighted expert outputs
+back in a second. A dispatched row carries everything the expert side needs:
+
+    [ payload: hidden as int8 | bfloat16 | float32 ][ fp32 scale (int8 only) ][ k fp32 routing
+      weights ][ k int16 global expert ids ][ pad to 4 bytes ]
+
+A token goes once to each rank holding at least one of its experts (not once per expert), with
+all k ids and weights; the receiver keeps the pairs whose expert it holds, runs its experts,
+multiplies by the routing weights and sums per row, so combine returns one row per (token,
+rank) in the model dtype and the source adds those rows. The token index does not travel:
+combine answers in the slot dispatch used, and the source remembers which token it put there.
+
+Counts. Nothing is exchanged but the rows: every rank knows, from the scheduler output all ranks
+receive, how many tokens each rank runs this step, so the segment each rank sends to each peer
+is `step_tokens` rows (the largest rank's token count: the most rows one source can send one
+destination). Unused rows are marked empty (ids -1) by their sender; the exchange therefore
+moves `ep x step_tokens x row_bytes` per rank whatever the fill, the cost of having no count
+exchange (a sparse step sends padding; the paper's FusedDispatch does the same with fixed slots).
+
+Static buffers: sized once at start-up for `max_tokens` (the scheduler's token budget) and
+allocated twice; consecutive MoE calls alternate between the two sets, so one set may still be
+in flight (microbatch overlap) while the next is packed. The hot path writes into views of
+these buffers; what it allocates is index tensors of O(tokens x k) and the expert computation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from matrixinfer.parallel.state import ParallelGroup
+from matrixinfer.quant.int8 import quantize_per_token_
+
+DISPATCH_DTYPES = {"int8": torch.int8, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def _align4(n: int) -> int:
+    return -(-n // 4) * 4
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """Byte offsets of one dispatched row."""
+
+    hidden: int
+    top_k: int
+    dtype: str  # int8 | bfloat16 | float32
+
+    @property
+    def payload_bytes(self) -> int:
+        return _align4(self.hidden * DISPATCH_DTYPES[self.dtype].itemsize)
+
+    @property
+    def scale_off(self) -> int:
+        return self.payload_bytes
+
+    @property
+    def weights_off(self) -> int:
+        return self.scale_off + (4 if self.dtype == "int8" else 0)
+
+    @property
+    def ids_off(self) -> int:
+        return self.weights_off + 4 * self.top_k
+
+    @property
+    def row_bytes(self) -> int:
+        return _align4(self.ids_off + 2 * self.top_k)
+
+    @property
+    def metadata_bytes(self) -> int:
+        """Everything in a row but the hidden payload (scale, weights, ids, padding)."""
+        return self.row_bytes - self.hidden * DISPATCH_DTYPES[self.dtype].itemsize
+
+    def payload(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows[:, : self.hidden * DISPATCH_DTYPES[self.dtype].itemsize].view(DISPATCH_DTYPES[self.dtype])
+
+    def scale(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows[:, self.scale_off: self.scale_off + 4].view(torch.float32)
+
+    def weights(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows[:, self.weights_off: self.ids_off].view(torch.float32)
+
+    def ids(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows[:, self.ids_off: self.ids_off + 2 * self.top_k].view(torch.int16)
+
+
+class _Buffers:
+    """One set: the per-token staging rows, dispatch send/receive, combine send/receive."""
+
+    def __init__(self, ep: int, max_tokens: int, layout: RowLayout, out_dtype: torch.dtype, device):
+        r, h = layout.row_bytes, layout.hidden
+        self.stage = torch.zeros(max_tokens, r, dtype=torch.uint8, device=device)
+        self.work = torch.zeros(max_tokens, h, dtype=torch.float32, device=device)  # int8 quantization
+        self.send = torch.zeros(ep * max_tokens * r, dtype=torch.uint8, device=device)
+        self.recv = torch.zeros_like(self.send)
+        self.comb_send = torch.zeros(ep * max_tokens * h, dtype=out_dtype, device=device)
+        self.comb_recv = torch.zeros_like(self.comb_send)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.stage, self.work, self.send, self.recv, self.comb_send, self.comb_recv]
+
+
+@dataclass
+class CommStats:
+    calls: int = 0
+    dispatch_s: float = 0.0  # time inside the dispatch exchange (all ranks' slowest sets it)
+    combine_s: float = 0.0
+    rows_sent: int = 0  # rows holding a token (to any rank, this one included)
+    tokens: int = 0  # tokens dispatched
+
+
+class EPDispatcher:
+    """Dispatch/combine for one EP group. `owner[e]` is the EP rank holding routed expert e."""
+
+    def __init__(self, group: ParallelGroup, owner: list[int], top_k: int, hidden: int, max_tokens: int,
+                 dispatch_dtype: str, out_dtype: torch.dtype, device: torch.device | str = "cpu",
+                 timed: bool = False):
+        if dispatch_dtype not in DISPATCH_DTYPES:
+            raise ValueError(f"dispatch dtype {dispatch_dtype!r}: one of {', '.join(DISPATCH_DTYPES)}")
+        if len(owner) >= 2**15:
+            raise ValueError("expert ids travel as int16: at most 32767 experts")
+        self.group, self.ep, self.rank = group, group.size, group.rank
+        self.layout = RowLayout(hidden, top_k, dispatch_dtype)
+        self.max_tokens = max_tokens
+        self.owner = torch.tensor(owner, dtype=torch.long, device=device)
+        self.ranks = torch.arange(self.ep, device=device)
+        self.sets = [_Buffers(self.ep, max_tokens, self.layout, out_dtype, device) for _ in range(2)]
+        self.parity = 0
+        self.step_tokens = max_tokens  # rows per peer segment this step (set_step_tokens)
+        self.timed, self.stats = timed, CommStats()
+
+    def set_step_tokens(self, n: int) -> None:
+        """The most tokens any EP rank runs this step (every rank computes the same number)."""
+        if n > self.max_tokens:
+            raise ValueError(f"{n} tokens on one rank exceed the dispatch buffers' {self.max_tokens}")
+        self.step_tokens = max(1, n)
+
+    def buffer_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for s in self.sets for t in s.tensors())
+
+    def _exchange(self, out: torch.Tensor, inp: torch.Tensor) -> float:
+        if self.ep == 1:
+            out.copy_(inp)
+            return 0.0
+        t0 = _now() if self.timed else 0.0
+        dist.all_to_all_single(out, inp, group=self.group.group)
+        return _now() - t0 if self.timed else 0.0
+
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts) -> torch.Tensor:
+        """x [N, H] (this rank's tokens), routing weights/ids [N, k] -> the routed experts'
+        weighted sum [N, H] (a TP partial sum, like RoutedExperts.forward). `experts` is this
+        rank's RoutedExperts; every EP rank calls this once per MoE layer, N = 0 included."""
+        buf = self.sets[self.parity]
+        self.parity ^= 1
+        lay, ep, cap, n = self.layout, self.ep, self.step_tokens, x.shape[0]
+        if n > cap:
+            raise ValueError(f"{n} tokens but the step was announced with at most {cap} per rank")
+        r_bytes = lay.row_bytes
+        # 1. one packed row per token: payload (quantized in place for int8), weights, ids
+        stage = buf.stage[:n]
+        if lay.dtype == "int8":
+            work = buf.work[:n]
+            work.copy_(x)
+            quantize_per_token_(work, lay.payload(stage), lay.scale(stage))
+        else:
+            lay.payload(stage).copy_(x)
+        lay.weights(stage).copy_(weights)
+        lay.ids(stage).copy_(ids)
+        # 2. each destination's segment: the rows of the tokens with an expert there, in token order
+        dest = (self.owner[ids].unsqueeze(-1) == self.ranks).any(1)  # [N, ep]
+        send = buf.send[: ep * cap * r_bytes].view(ep, cap, r_bytes)
+        tokens_to = []
+        for d in range(ep):
+            t = dest[:, d].nonzero().flatten()
+            m = t.numel()
+            torch.index_select(stage, 0, t, out=send[d, :m])
+            lay.ids(send[d, m:]).fill_(-1)
+            tokens_to.append(t)
+        recv = buf.recv[: ep * cap * r_bytes].view(ep * cap, r_bytes)
+        self.stats.dispatch_s += self._exchange(recv.view(-1), send.view(-1))
+        # 3. the expert side: the (row, local expert) pairs this rank holds, grouped by expert
+        comb = buf.comb_send[: ep * cap * lay.hidden].view(ep * cap, lay.hidden)
+        comb.zero_()
+        k = lay.top_k
+        rids = lay.ids(recv).long()  # [ep*cap, k]; -1: empty slot
+        local = experts.local_of(rids).flatten()
+        pair = (local >= 0).nonzero().flatten()
+        local = local[pair]
+        order = local.argsort(stable=True)
+        pair, local = pair[order], local[order]
+        row, slot = pair // k, pair % k
+        if pair.numel():
+            rows = recv[row]
+            xs = lay.payload(rows)
+            xs = (xs.float() * lay.scale(rows)).to(comb.dtype) if lay.dtype == "int8" else xs.to(comb.dtype)
+            counts = torch.bincount(local, minlength=len(experts.expert_ids))
+            y = experts.quant_method.apply(experts, xs, local, counts)
+            y = y * lay.weights(recv)[row, slot, None].to(y.dtype)
+            comb.index_add_(0, row, y)
+        # 4. combine: every row goes back to the slot it came from; the source sums its rows
+        back = buf.comb_recv[: ep * cap * lay.hidden].view(ep, cap, lay.hidden)
+        self.stats.combine_s += self._exchange(back.view(-1), comb.view(-1))
+        out = torch.zeros_like(x)
+        for d, t in enumerate(tokens_to):
+            if t.numel():
+                out.index_add_(0, t, back[d, : t.numel()].to(out.dtype))
+        self.stats.calls += 1
+        self.stats.tokens += n
+        self.stats.rows_sent += sum(t.numel() for t in tokens_to)
+        return out
+
+
+def _now() -> float:
+    import time
+
+    return time.perf_counter()
+
+
+_DISPATCHER: EPDispatcher | None = None
+
+
+def set_dispatcher(d: EPDispatcher | None) -> None:
+    """Install the process's dispatcher (the worker does, with expert parallelism); the MoE
+    layers then exchange tokens through it instead of computing all experts locally."""
+    global _DISPATCHER
+    _DISPATCHER = d
+
+
+def get_dispatcher() -> EPDispatcher | None:
+    return _DISPATCHER
