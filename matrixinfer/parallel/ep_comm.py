@@ -23,7 +23,9 @@ exchange (a sparse step sends padding; the paper's FusedDispatch does the same w
 Static buffers: sized once at start-up for `max_tokens` (the scheduler's token budget) and
 allocated twice; consecutive MoE calls alternate between the two sets, so one set may still be
 in flight (microbatch overlap) while the next is packed. The hot path writes into views of
-these buffers; what it allocates is index tensors of O(tokens x k) and the expert computation.
+these buffers (the result too: a view of the set's output rows, consumed by the caller before
+the set comes round again); what it allocates is index tensors of O(tokens x k) and whatever the
+experts' own computation allocates.
 """
 
 from __future__ import annotations
@@ -90,19 +92,31 @@ class RowLayout:
 
 
 class _Buffers:
-    """One set: the per-token staging rows, dispatch send/receive, combine send/receive."""
+    """One set: per-token staging rows, dispatch send/receive, the expert side's input rows,
+    combine send/receive and the summed output."""
 
     def __init__(self, ep: int, max_tokens: int, layout: RowLayout, out_dtype: torch.dtype, device):
-        r, h = layout.row_bytes, layout.hidden
-        self.stage = torch.zeros(max_tokens, r, dtype=torch.uint8, device=device)
-        self.work = torch.zeros(max_tokens, h, dtype=torch.float32, device=device)  # int8 quantization
-        self.send = torch.zeros(ep * max_tokens * r, dtype=torch.uint8, device=device)
-        self.recv = torch.zeros_like(self.send)
-        self.comb_send = torch.zeros(ep * max_tokens * h, dtype=out_dtype, device=device)
-        self.comb_recv = torch.zeros_like(self.comb_send)
+        r, h, k = layout.row_bytes, layout.hidden, layout.top_k
+        wire = DISPATCH_DTYPES[layout.dtype]
+
+        def zeros(*shape, dtype=torch.uint8):
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        self.stage = zeros(max_tokens, r)
+        self.work = zeros(max_tokens, h, dtype=torch.float32) if layout.dtype == "int8" else None
+        self.send, self.recv = zeros(ep * max_tokens * r), zeros(ep * max_tokens * r)
+        # expert input: one row per (received row, local expert) pair, at most k per row
+        self.pairs = zeros(ep * max_tokens * k, h, dtype=wire)
+        self.xin = self.pairs if wire == out_dtype else zeros(ep * max_tokens * k, h, dtype=out_dtype)
+        self.comb_send = zeros(ep * max_tokens * h, dtype=out_dtype)
+        self.comb_recv = zeros(ep * max_tokens * h, dtype=out_dtype)
+        self.out = zeros(max_tokens, h, dtype=out_dtype)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.stage, self.work, self.send, self.recv, self.comb_send, self.comb_recv]
+        ts = [self.stage, self.work, self.send, self.recv, self.pairs, self.xin, self.comb_send, self.comb_recv,
+              self.out]
+        unique = {id(t): t for t in ts if t is not None}
+        return list(unique.values())
 
 
 @dataclass
@@ -163,7 +177,7 @@ class EPDispatcher:
         r_bytes = lay.row_bytes
         # 1. one packed row per token: payload (quantized in place for int8), weights, ids
         stage = buf.stage[:n]
-        if lay.dtype == "int8":
+        if buf.work is not None:
             work = buf.work[:n]
             work.copy_(x)
             quantize_per_token_(work, lay.payload(stage), lay.scale(stage))
@@ -195,24 +209,29 @@ class EPDispatcher:
         pair, local = pair[order], local[order]
         row, slot = pair // k, pair % k
         if pair.numel():
-            rows = recv[row]
-            xs = lay.payload(rows)
-            xs = (xs.float() * lay.scale(rows)).to(comb.dtype) if lay.dtype == "int8" else xs.to(comb.dtype)
+            p = pair.numel()
+            torch.index_select(lay.payload(recv), 0, row, out=buf.pairs[:p])
+            xs = buf.xin[:p]
+            if xs is not buf.pairs[:p]:
+                xs.copy_(buf.pairs[:p])
+            if lay.dtype == "int8":
+                xs.mul_(lay.scale(recv)[row])
             counts = torch.bincount(local, minlength=len(experts.expert_ids))
             y = experts.quant_method.apply(experts, xs, local, counts)
-            y = y * lay.weights(recv)[row, slot, None].to(y.dtype)
+            y.mul_(lay.weights(recv)[row, slot, None].to(y.dtype))
             comb.index_add_(0, row, y)
         # 4. combine: every row goes back to the slot it came from; the source sums its rows
         back = buf.comb_recv[: ep * cap * lay.hidden].view(ep, cap, lay.hidden)
         self.stats.combine_s += self._exchange(back.view(-1), comb.view(-1))
-        out = torch.zeros_like(x)
+        out = buf.out[:n]
+        out.zero_()
         for d, t in enumerate(tokens_to):
             if t.numel():
-                out.index_add_(0, t, back[d, : t.numel()].to(out.dtype))
+                out.index_add_(0, t, back[d, : t.numel()])
         self.stats.calls += 1
         self.stats.tokens += n
         self.stats.rows_sent += sum(t.numel() for t in tokens_to)
-        return out
+        return out  # a view of a static buffer: the caller consumes it before this set comes round again
 
 
 def _now() -> float:
