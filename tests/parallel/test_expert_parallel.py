@@ -3,7 +3,6 @@ routed experts partitioned (unevenly where the count does not divide), tokens ex
 fused dispatch/combine. Float32 dispatch is token-identical to one process; INT8 dispatch is
 close (prompt logprobs within a stated tolerance, greedy agreement reported)."""
 
-import multiprocessing as mp
 import os
 import signal
 
@@ -13,6 +12,7 @@ import torch
 from matrixinfer import LLM, SamplingParams
 from matrixinfer.config import DEFAULT_MODEL
 from tests.hf_fixtures import make_checkpoint
+from tests import ranks
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 KW = dict(dtype="float32", block_size=4, max_num_batched_tokens=24, enable_prefix_caching=False)
@@ -27,28 +27,15 @@ def uneven(tmp_path_factory):
     return path
 
 
-def _prompts(vocab: int, lengths=(5, 17, 9, 30)):
-    g = torch.Generator().manual_seed(3)
-    return [{"prompt_token_ids": torch.randint(2, vocab, (n,), generator=g).tolist()} for n in lengths]
-
-
-def _tokens(llm, prompts, params=GREEDY):
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-
-
-def _children() -> set[int]:
-    return {p.pid for p in mp.active_children()}
-
-
 def _check_identical(path, ep: int) -> None:
     single = LLM(model=path, **KW)
-    prompts = _prompts(single.engine.model_config.vocab_size)
-    before = _children()
+    prompts = ranks.prompts(single.engine.model_config.vocab_size)
+    before = ranks.children()
     with LLM(model=path, expert_parallel_size=ep, dispatch_dtype="float32", **KW) as llm:
-        assert len(_children() - before) == ep
-        assert _tokens(llm, prompts) == _tokens(single, prompts)  # chunked prefill, mixed steps
-        assert _tokens(llm, prompts[:1]) == _tokens(single, prompts[:1])  # the other ranks idle: dummy steps
-    assert not (_children() - before)
+        assert len(ranks.children() - before) == ep
+        assert ranks.tokens(llm, prompts, GREEDY) == ranks.tokens(single, prompts, GREEDY)  # chunked prefill, mixed steps
+        assert ranks.tokens(llm, prompts[:1], GREEDY) == ranks.tokens(single, prompts[:1], GREEDY)  # the other ranks idle: dummy steps
+    assert not (ranks.children() - before)
 
 
 @pytest.mark.slow
@@ -77,29 +64,29 @@ def test_ep2_int8_dispatch_is_within_tolerance_of_one_process():
     """Teacher-forced: the logprob of every prompt token (so a diverging sample cannot hide an
     error) within 0.05 nats, mean 0.01; greedy tokens agree at >= 90 % of positions."""
     single = LLM(model=DEFAULT_MODEL, **KW)
-    prompts = _prompts(single.engine.model_config.vocab_size, (40, 33, 25, 48))
+    prompts = ranks.prompts(single.engine.model_config.vocab_size, (40, 33, 25, 48))
     ref = _prompt_logprobs(single, prompts)
-    expected = _tokens(single, prompts)
+    expected = ranks.tokens(single, prompts, GREEDY)
     with LLM(model=DEFAULT_MODEL, expert_parallel_size=2, dispatch_dtype="int8", **KW) as llm:
         got = _prompt_logprobs(llm, prompts)
-        tokens = _tokens(llm, prompts)
+        got_tokens = ranks.tokens(llm, prompts, GREEDY)
     diff = (got - ref).abs()
     assert diff.max() < 0.05 and diff.mean() < 0.01, f"max {diff.max():.4f} mean {diff.mean():.4f}"
     assert diff.max() > 0  # int8 is lossy: the comparison is not between identical runs
-    same = sum(a == b for t, e in zip(tokens, expected) for a, b in zip(t, e))
+    same = sum(a == b for t, e in zip(got_tokens, expected) for a, b in zip(t, e))
     assert same / sum(map(len, expected)) >= 0.9
 
 
 @pytest.mark.slow
 def test_a_dead_ep_rank_is_an_error_not_a_hang_and_leaves_no_process():
-    before = _children()
+    before = ranks.children()
     llm = LLM(expert_parallel_size=2, dtype="float32")
     try:
         rank1 = llm.engine.core.core.executor.procs[1]
         os.kill(rank1.pid, signal.SIGKILL)
         rank1.join(10)
         with pytest.raises((RuntimeError, TimeoutError)):
-            _tokens(llm, _prompts(1000, (8, 5)))
+            ranks.tokens(llm, ranks.prompts(1000, (8, 5)), GREEDY)
     finally:
         llm.shutdown()
-    assert not (_children() - before)
+    assert not (ranks.children() - before)
