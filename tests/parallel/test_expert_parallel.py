@@ -27,12 +27,12 @@ def uneven(tmp_path_factory):
     return path
 
 
-def _check_identical(path, ep: int) -> None:
+def _check_identical(path, ep: int, tp: int = 1) -> None:
     single = LLM(model=path, **KW)
     prompts = ranks.prompts(single.engine.model_config.vocab_size)
     before = ranks.children()
-    with LLM(model=path, expert_parallel_size=ep, dispatch_dtype="float32", **KW) as llm:
-        assert len(ranks.children() - before) == ep
+    with LLM(model=path, expert_parallel_size=ep, tensor_parallel_size=tp, dispatch_dtype="float32", **KW) as llm:
+        assert len(ranks.children() - before) == ep * tp
         assert ranks.tokens(llm, prompts, GREEDY) == ranks.tokens(single, prompts, GREEDY)  # chunked prefill, mixed steps
         assert ranks.tokens(llm, prompts[:1], GREEDY) == ranks.tokens(single, prompts[:1], GREEDY)  # the other ranks idle: dummy steps
     assert not (ranks.children() - before)
@@ -51,6 +51,13 @@ def test_ep2_float32_dispatch_is_token_identical_with_uneven_experts_and_two_sha
 @pytest.mark.slow
 def test_ep4_float32_dispatch_is_token_identical_with_uneven_experts(uneven):
     _check_identical(uneven, 4)
+
+
+@pytest.mark.slow
+def test_ep2_composes_with_tp2_token_identical(uneven):
+    """Four processes: two attention replicas of two TP ranks; experts over the EP groups and
+    each expert's intermediate dimension over TP."""
+    _check_identical(uneven, 2, tp=2)
 
 
 def _prompt_logprobs(llm, prompts) -> torch.Tensor:
