@@ -186,6 +186,11 @@ class ParallelConfig:
     # expert parallelism: how dispatch sends tokens (auto: the model dtype, lossless; int8: the
     # paper's per-token quantization, about half the bytes)
     dispatch_dtype: str = "auto"
+    # EPLB (expert parallelism): R redundant expert slots placed from measured load, rebalanced
+    # every eplb_interval steps (0: never) over a window of the last eplb_window steps
+    num_redundant_experts: int = 0
+    eplb_interval: int = 0
+    eplb_window: int = 100
 
     @property
     def world_size(self) -> int:
@@ -249,6 +254,9 @@ class EngineConfig:
         "data_parallel_size": ("parallel", "data_parallel_size"),
         "distributed_executor_backend": ("parallel", "executor"),
         "dispatch_dtype": ("parallel", "dispatch_dtype"),
+        "num_redundant_experts": ("parallel", "num_redundant_experts"),
+        "eplb_interval": ("parallel", "eplb_interval"),
+        "eplb_window": ("parallel", "eplb_window"),
         "quantization": ("quantization", "method"),
     }
 
@@ -285,6 +293,10 @@ class EngineConfig:
                              "expert-parallel group: use expert_parallel_size)")
         if self.parallel.dispatch_dtype not in ("auto", "int8", "bfloat16", "float32"):
             raise ValueError(f"unknown dispatch_dtype {self.parallel.dispatch_dtype!r} (auto, int8, bfloat16, float32)")
+        if min(self.parallel.num_redundant_experts, self.parallel.eplb_interval) < 0 or self.parallel.eplb_window < 1:
+            raise ValueError("num_redundant_experts and eplb_interval must be >= 0, eplb_window >= 1")
+        if self.parallel.expert_parallel_size == 1 and (self.parallel.num_redundant_experts or self.parallel.eplb_interval):
+            raise ValueError("redundant experts / EPLB need expert_parallel_size > 1")
         if self.parallel.expert_parallel_size > 1:
             if self.cache.enable_prefix_caching:
                 raise ValueError("prefix caching with expert_parallel_size > 1 is not supported: each rank holds the "
@@ -326,6 +338,10 @@ class EngineConfig:
                        help="EP ranks (x tp processes): attention data parallel, routed experts partitioned")
         p.add_argument("--dispatch-dtype", default="auto", choices=["auto", "int8", "bfloat16", "float32"],
                        help="how MoE dispatch sends tokens between EP ranks (auto: the model dtype)")
+        p.add_argument("--num-redundant-experts", type=int, default=0,
+                       help="EPLB: extra expert replicas placed from measured load (needs -ep > 1)")
+        p.add_argument("--eplb-interval", type=int, default=0, help="EPLB: rebalance every N steps (0: never)")
+        p.add_argument("--eplb-window", type=int, default=100, help="EPLB: steps of token counts a rebalance uses")
         p.add_argument("--distributed-executor-backend", default="auto", choices=["auto", "uni", "mp"])
         p.add_argument("--kv-connector", default=None, choices=["ems"])
         p.add_argument("--ems-controller", default=None, help="HOST:PORT of the EMS controller")
@@ -370,6 +386,8 @@ class EngineConfig:
         kw = dict(device=args.device, seed=args.seed or 0,
                   block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
                   max_num_seqs=args.max_num_seqs, dispatch_dtype=args.dispatch_dtype,
+                  num_redundant_experts=args.num_redundant_experts, eplb_interval=args.eplb_interval,
+                  eplb_window=args.eplb_window,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                   distributed_executor_backend=args.distributed_executor_backend, kv_transfer_config=kv,
                   load_format=args.load_format, model_source_mbps=args.model_source_mbps)

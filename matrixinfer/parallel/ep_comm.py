@@ -129,7 +129,8 @@ class CommStats:
 
 
 class EPDispatcher:
-    """Dispatch/combine for one EP group. `owner[e]` is the EP rank holding routed expert e."""
+    """Dispatch/combine for one EP group. `owner[e]` is the EP rank holding routed expert e
+    (with redundant experts, each layer's `experts.routing` says instead)."""
 
     def __init__(self, group: ParallelGroup, owner: list[int], top_k: int, hidden: int, max_tokens: int,
                  dispatch_dtype: str, out_dtype: torch.dtype, device: torch.device | str = "cpu",
@@ -175,6 +176,11 @@ class EPDispatcher:
         if n > cap:
             raise ValueError(f"{n} tokens but the step was announced with at most {cap} per rank")
         r_bytes = lay.row_bytes
+        routing = getattr(experts, "routing", None)  # redundant experts (eplb.py): rows carry physical ids
+        owner = self.owner
+        if routing is not None:
+            routing.record(ids)
+            ids, owner = routing.to_physical(ids, self.rank), routing.owner
         # 1. one packed row per token: payload (quantized in place for int8), weights, ids
         stage = buf.stage[:n]
         if buf.work is not None:
@@ -186,7 +192,7 @@ class EPDispatcher:
         lay.weights(stage).copy_(weights)
         lay.ids(stage).copy_(ids)
         # 2. each destination's segment: the rows of the tokens with an expert there, in token order
-        dest = (self.owner[ids].unsqueeze(-1) == self.ranks).any(1)  # [N, ep]
+        dest = (owner[ids].unsqueeze(-1) == self.ranks).any(1)  # [N, ep]
         send = buf.send[: ep * cap * r_bytes].view(ep, cap, r_bytes)
         tokens_to = []
         for d in range(ep):

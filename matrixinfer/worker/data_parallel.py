@@ -57,15 +57,18 @@ class DataParallelRunner(ModelRunner):
     hidden rows (gathered), so sampling and everything after it is unchanged."""
 
     def __init__(self, model, num_blocks: int, block_size: int, device: torch.device,
-                 group: ParallelGroup, dispatcher: EPDispatcher):
+                 group: ParallelGroup, dispatcher: EPDispatcher, balancer=None):
         super().__init__(model, num_blocks, block_size, device)
-        self.group, self.dispatcher = group, dispatcher
+        self.group, self.dispatcher, self.balancer = group, dispatcher, balancer
         self.placement = RequestPlacement(group.size)
 
     def execute_model(self, sched: SchedulerOutput, skip: set[str] = frozenset(),
                       driver: bool = True) -> ModelRunnerOutput | None:
         self.placement.finish(sched.finished_request_ids)
-        return super().execute_model(sched, skip, driver)
+        out = super().execute_model(sched, skip, driver)
+        if self.balancer is not None:
+            self.balancer.end_step()  # every rank, every step: counts, and at times the experts move
+        return out
 
     @torch.inference_mode()
     def run(self, reqs: list[ScheduledRequest], num_decode: int) -> torch.Tensor:

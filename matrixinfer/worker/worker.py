@@ -86,7 +86,16 @@ class Worker:
         dispatcher = EPDispatcher(group, owner, cfg.num_experts_per_tok, cfg.hidden_size,
                                   self.config.scheduler.max_num_batched_tokens, dispatch, dtype, self.device)
         set_dispatcher(dispatcher)
-        return DataParallelRunner(self.model, self.num_blocks, block_size, self.device, group, dispatcher)
+        balancer = None
+        par = self.config.parallel
+        if par.num_redundant_experts or par.eplb_interval:
+            from matrixinfer.model.moe import MoE
+            from matrixinfer.parallel.eplb import ExpertBalancer
+
+            moes = [layer.mlp for layer in self.model.model.layers if isinstance(layer.mlp, MoE)]
+            balancer = ExpertBalancer(moes, group, par.num_redundant_experts, par.eplb_interval, par.eplb_window,
+                                      self.device)
+        return DataParallelRunner(self.model, self.num_blocks, block_size, self.device, group, dispatcher, balancer)
 
     def info(self):
         """What the executor tells the engine core about this rank once it is up."""

@@ -27,11 +27,12 @@ def uneven(tmp_path_factory):
     return path
 
 
-def _check_identical(path, ep: int, tp: int = 1) -> None:
+def _check_identical(path, ep: int, tp: int = 1, **eplb) -> None:
     single = LLM(model=path, **KW)
     prompts = ranks.prompts(single.engine.model_config.vocab_size)
     before = ranks.children()
-    with LLM(model=path, expert_parallel_size=ep, tensor_parallel_size=tp, dispatch_dtype="float32", **KW) as llm:
+    with LLM(model=path, expert_parallel_size=ep, tensor_parallel_size=tp, dispatch_dtype="float32", **KW,
+             **eplb) as llm:
         assert len(ranks.children() - before) == ep * tp
         assert ranks.tokens(llm, prompts, GREEDY) == ranks.tokens(single, prompts, GREEDY)  # chunked prefill, mixed steps
         assert ranks.tokens(llm, prompts[:1], GREEDY) == ranks.tokens(single, prompts[:1], GREEDY)  # the other ranks idle: dummy steps
@@ -58,6 +59,11 @@ def test_ep2_composes_with_tp2_token_identical(uneven):
     """Four processes: two attention replicas of two TP ranks; experts over the EP groups and
     each expert's intermediate dimension over TP."""
     _check_identical(uneven, 2, tp=2)
+
+
+@pytest.mark.slow
+def test_ep2_with_redundant_experts_rebalanced_every_step_is_token_identical():
+    _check_identical(DEFAULT_MODEL, 2, num_redundant_experts=2, eplb_interval=1, eplb_window=4)
 
 
 def _prompt_logprobs(llm, prompts) -> torch.Tensor:
