@@ -5,15 +5,12 @@ model's within float32 rounding (1e-5), before and after every move."""
 from __future__ import annotations
 
 import os
-import queue
-import socket
 import traceback
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from matrixinfer.config import DEFAULT_MODEL
 from matrixinfer.model.loader import load_model
@@ -26,6 +23,7 @@ from matrixinfer.parallel.eplb import (
     replicate,
     static_placement,
 )
+from tests.ranks import run_ranks
 
 TIMEOUT_S = 120
 
@@ -94,30 +92,7 @@ def _rank_main(rank: int, world: int, port: int, results) -> None:
 
 @pytest.mark.slow
 def test_online_rebalance_moves_experts_and_keeps_the_outputs():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, 2, port, results), daemon=True) for r in range(2)]
-    got = {}
-    try:
-        for p in procs:
-            p.start()
-        for _ in procs:
-            try:
-                rank, value = results.get(timeout=TIMEOUT_S)
-            except queue.Empty:
-                pytest.fail(f"EP ranks gave no result within {TIMEOUT_S} s")
-            if isinstance(value, str):
-                pytest.fail(f"rank {rank} failed:\n{value}")
-            got[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
+    got = run_ranks(_rank_main, 2, timeout=TIMEOUT_S)
     single = load_model(DEFAULT_MODEL, dtype="float32")
     for rank, (ids, out, held, moves) in got.items():
         assert moves > 0 and held[0] != held[1], f"rank {rank}: the rebalance moved nothing"

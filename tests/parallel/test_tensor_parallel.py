@@ -6,8 +6,6 @@ batch) and through the MTP module."""
 from __future__ import annotations
 
 import os
-import queue
-import socket
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -15,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from matrixinfer.model.context import ForwardContext, forward_context
 from matrixinfer.model.loader import load_model
@@ -28,6 +25,7 @@ from matrixinfer.parallel import (
     tp_all_reduce,
 )
 from tests.hf_fixtures import make_checkpoint
+from tests.ranks import run_ranks
 
 BUNDLED = Path(__file__).resolve().parents[2] / "models" / "matrixinfer-tiny-moe"
 TIMEOUT_S = 120
@@ -98,34 +96,6 @@ def _rank_main(rank: int, world: int, port: int, paths: list[str], results) -> N
             dist.destroy_process_group()
 
 
-def run_ranks(world: int, paths: list[str]) -> dict[int, dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, paths, results), daemon=True) for r in range(world)]
-    try:
-        for p in procs:
-            p.start()
-        out = {}
-        for _ in range(world):
-            try:
-                rank, value = results.get(timeout=TIMEOUT_S)
-            except queue.Empty:
-                pytest.fail(f"tensor-parallel ranks gave no result within {TIMEOUT_S} s")
-            if isinstance(value, str):
-                pytest.fail(f"rank {rank} failed:\n{value}")
-            out[rank] = value
-        return out
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
-
-
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
@@ -137,7 +107,7 @@ def test_two_ranks_give_the_single_process_logits(tmp_path):
         make_checkpoint(tmp_path / variant, variant)
         paths.append(tmp_path / variant)
     torch.set_num_threads(1)
-    ranks = run_ranks(2, [str(p) for p in paths])
+    ranks = run_ranks(_rank_main, 2, [str(p) for p in paths], timeout=TIMEOUT_S)
     for path in paths:
         ref = all_logits(path)
         for rank in (0, 1):
