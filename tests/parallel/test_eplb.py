@@ -4,17 +4,14 @@ model's within float32 rounding (1e-5), before and after every move."""
 
 from __future__ import annotations
 
-import os
-import traceback
-from datetime import timedelta
-
 import pytest
 import torch
-import torch.distributed as dist
 
 from matrixinfer.config import DEFAULT_MODEL
 from matrixinfer.model.loader import load_model
 from matrixinfer.model.moe import MoE
+from matrixinfer.parallel import expert_partition, get_ep_group
+from matrixinfer.parallel.ep_comm import EPDispatcher, set_dispatcher
 from matrixinfer.parallel.eplb import (
     ExpertBalancer,
     balanced_packing,
@@ -23,7 +20,7 @@ from matrixinfer.parallel.eplb import (
     replicate,
     static_placement,
 )
-from tests.ranks import run_ranks
+from matrixinfer.parallel.spawn import run_ranks
 
 TIMEOUT_S = 120
 
@@ -54,45 +51,31 @@ def test_rebalance_returns_consistent_maps_and_evens_a_skewed_load():
     assert uneven.slots == [4, 3] and sorted(uneven.phy2log) == list(range(7))
 
 
-def _rank_main(rank: int, world: int, port: int, results) -> None:
-    from matrixinfer.parallel import destroy_model_parallel, expert_partition, get_ep_group, init_model_parallel
-    from matrixinfer.parallel.ep_comm import EPDispatcher, set_dispatcher
-
-    try:
-        torch.set_num_threads(1)
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=TIMEOUT_S))
-        init_model_parallel(1, world)
-        group = get_ep_group()
-        model = load_model(DEFAULT_MODEL, dtype="float32", expert_ids=expert_partition(8, world)[rank])
-        cfg = model.config
-        owner = [r for r, ids in enumerate(expert_partition(8, world)) for _ in ids]
-        d = EPDispatcher(group, owner, cfg.num_experts_per_tok, cfg.hidden_size, 64, "float32", torch.float32)
-        set_dispatcher(d)
-        moes = [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, MoE)]
-        balancer = ExpertBalancer(moes, group, num_redundant=2, interval=1, window=4, device="cpu")
-        ids = torch.randint(2, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(10 + rank))
-        pos = torch.arange(12).expand(2, 12)
-        d.set_step_tokens(24)
-        out, held = [], []
-        with torch.inference_mode():
-            for _ in range(3):  # forward, rebalance from what it routed, forward again, ...
-                held.append([list(m.experts.expert_ids) for m in moes])
-                out.append(model.compute_logits(model(ids, pos)).numpy())
-                balancer.end_step()
-        results.put((rank, (ids.numpy(), out, held, balancer.moves)))
-    except BaseException:
-        results.put((rank, traceback.format_exc()))
-    finally:
-        set_dispatcher(None)
-        destroy_model_parallel()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def _rank_main(rank: int, world: int) -> tuple:
+    """Three forwards of this rank's tokens with a rebalance (from what was routed) after each."""
+    group = get_ep_group()
+    model = load_model(DEFAULT_MODEL, dtype="float32", expert_ids=expert_partition(8, world)[rank])
+    cfg = model.config
+    owner = [r for r, ids in enumerate(expert_partition(8, world)) for _ in ids]
+    d = EPDispatcher(group, owner, cfg.num_experts_per_tok, cfg.hidden_size, 64, "float32", torch.float32)
+    set_dispatcher(d)
+    moes = [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, MoE)]
+    balancer = ExpertBalancer(moes, group, num_redundant=2, interval=1, window=4, device="cpu")
+    ids = torch.randint(2, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(10 + rank))
+    pos = torch.arange(12).expand(2, 12)
+    d.set_step_tokens(24)
+    out, held = [], []
+    with torch.inference_mode():
+        for _ in range(3):
+            held.append([list(m.experts.expert_ids) for m in moes])
+            out.append(model.compute_logits(model(ids, pos)).numpy())
+            balancer.end_step()
+    return ids.numpy(), out, held, balancer.moves
 
 
 @pytest.mark.slow
 def test_online_rebalance_moves_experts_and_keeps_the_outputs():
-    got = run_ranks(_rank_main, 2, timeout=TIMEOUT_S)
+    got = run_ranks(_rank_main, 2, ep=2, timeout=TIMEOUT_S)
     single = load_model(DEFAULT_MODEL, dtype="float32")
     for rank, (ids, out, held, moves) in got.items():
         assert moves > 0 and held[0] != held[1], f"rank {rank}: the rebalance moved nothing"
