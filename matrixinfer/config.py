@@ -189,6 +189,7 @@ class ParallelConfig:
     # EPLB (expert parallelism): R redundant expert slots placed from measured load, rebalanced
     # every eplb_interval steps (0: never) over a window of the last eplb_window steps
     num_redundant_experts: int = 0
+    microbatches: int = 1  # 2: split each rank's batch in two and overlap one's exchanges with the other's compute
     eplb_interval: int = 0
     eplb_window: int = 100
 
@@ -257,6 +258,7 @@ class EngineConfig:
         "num_redundant_experts": ("parallel", "num_redundant_experts"),
         "eplb_interval": ("parallel", "eplb_interval"),
         "eplb_window": ("parallel", "eplb_window"),
+        "microbatches": ("parallel", "microbatches"),
         "quantization": ("quantization", "method"),
     }
 
@@ -295,8 +297,11 @@ class EngineConfig:
             raise ValueError(f"unknown dispatch_dtype {self.parallel.dispatch_dtype!r} (auto, int8, bfloat16, float32)")
         if min(self.parallel.num_redundant_experts, self.parallel.eplb_interval) < 0 or self.parallel.eplb_window < 1:
             raise ValueError("num_redundant_experts and eplb_interval must be >= 0, eplb_window >= 1")
-        if self.parallel.expert_parallel_size == 1 and (self.parallel.num_redundant_experts or self.parallel.eplb_interval):
-            raise ValueError("redundant experts / EPLB need expert_parallel_size > 1")
+        if self.parallel.expert_parallel_size == 1 and (self.parallel.num_redundant_experts or self.parallel.eplb_interval
+                                                        or self.parallel.microbatches != 1):
+            raise ValueError("redundant experts / EPLB / microbatches need expert_parallel_size > 1")
+        if self.parallel.microbatches not in (1, 2):
+            raise ValueError(f"microbatches {self.parallel.microbatches}: 1 or 2")
         if self.parallel.expert_parallel_size > 1:
             if self.cache.enable_prefix_caching:
                 raise ValueError("prefix caching with expert_parallel_size > 1 is not supported: each rank holds the "
@@ -342,6 +347,8 @@ class EngineConfig:
                        help="EPLB: extra expert replicas placed from measured load (needs -ep > 1)")
         p.add_argument("--eplb-interval", type=int, default=0, help="EPLB: rebalance every N steps (0: never)")
         p.add_argument("--eplb-window", type=int, default=100, help="EPLB: steps of token counts a rebalance uses")
+        p.add_argument("--microbatches", type=int, default=1, choices=[1, 2],
+                       help="2: overlap one microbatch's dispatch/combine with the other's compute (needs -ep > 1)")
         p.add_argument("--distributed-executor-backend", default="auto", choices=["auto", "uni", "mp"])
         p.add_argument("--kv-connector", default=None, choices=["ems"])
         p.add_argument("--ems-controller", default=None, help="HOST:PORT of the EMS controller")
@@ -387,7 +394,7 @@ class EngineConfig:
                   block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
                   max_num_seqs=args.max_num_seqs, dispatch_dtype=args.dispatch_dtype,
                   num_redundant_experts=args.num_redundant_experts, eplb_interval=args.eplb_interval,
-                  eplb_window=args.eplb_window,
+                  eplb_window=args.eplb_window, microbatches=args.microbatches,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                   distributed_executor_backend=args.distributed_executor_backend, kv_transfer_config=kv,
                   load_format=args.load_format, model_source_mbps=args.model_source_mbps)

@@ -77,11 +77,33 @@ class MoE(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return run_stages(self.stages(x))
+
+    def stages(self, x: torch.Tensor):
+        """forward() as a generator that yields while an expert-parallel exchange is in flight
+        (after dispatch starts, after combine starts), so a microbatch pipeline can run the
+        other microbatch there; it returns the block's output. Without a dispatcher it never yields."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, ids = self.gate(x)
         dispatcher = get_dispatcher()
-        out = self.experts(x, weights, ids) if dispatcher is None else dispatcher(x, weights, ids, self.experts)
+        if dispatcher is None:
+            out = self.experts(x, weights, ids)
+        else:
+            pending = dispatcher.dispatch(x, weights, ids, self.experts)
+            yield
+            dispatcher.compute(pending)
+            yield
+            out = dispatcher.combine(pending)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return tp_all_reduce(out).view(shape)
+
+
+def run_stages(stages):
+    """Run a stages() generator to its end (nothing to overlap with) and return its value."""
+    while True:
+        try:
+            next(stages)
+        except StopIteration as done:
+            return done.value

@@ -122,7 +122,7 @@ class _Buffers:
 @dataclass
 class CommStats:
     calls: int = 0
-    dispatch_s: float = 0.0  # time inside the dispatch exchange (all ranks' slowest sets it)
+    dispatch_s: float = 0.0  # time waiting for the dispatch exchange (all of it when nothing overlaps)
     combine_s: float = 0.0
     rows_sent: int = 0  # rows holding a token (to any rank, this one included)
     tokens: int = 0  # tokens dispatched
@@ -158,18 +158,31 @@ class EPDispatcher:
     def buffer_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for s in self.sets for t in s.tensors())
 
-    def _exchange(self, out: torch.Tensor, inp: torch.Tensor) -> float:
+    def _start(self, out: torch.Tensor, inp: torch.Tensor):
+        """Issue one exchange (asynchronously); None when there is no peer."""
         if self.ep == 1:
             out.copy_(inp)
+            return None
+        return dist.all_to_all_single(out, inp, group=self.group.group, async_op=True)
+
+    def _wait(self, work) -> float:
+        if work is None:
             return 0.0
         t0 = _now() if self.timed else 0.0
-        dist.all_to_all_single(out, inp, group=self.group.group)
+        work.wait()
         return _now() - t0 if self.timed else 0.0
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts) -> torch.Tensor:
         """x [N, H] (this rank's tokens), routing weights/ids [N, k] -> the routed experts'
         weighted sum [N, H] (a TP partial sum, like RoutedExperts.forward). `experts` is this
-        rank's RoutedExperts; every EP rank calls this once per MoE layer, N = 0 included."""
+        rank's RoutedExperts; every EP rank calls this once per MoE layer, N = 0 included.
+        The three phases run back to back; a microbatch pipeline interleaves them instead."""
+        pending = self.dispatch(x, weights, ids, experts)
+        self.compute(pending)
+        return self.combine(pending)
+
+    def dispatch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts) -> "_Pending":
+        """Pack this rank's rows into the next buffer set and start the dispatch exchange."""
         buf = self.sets[self.parity]
         self.parity ^= 1
         lay, ep, cap, n = self.layout, self.ep, self.step_tokens, x.shape[0]
@@ -202,9 +215,17 @@ class EPDispatcher:
             lay.ids(send[d, m:]).fill_(-1)
             tokens_to.append(t)
         recv = buf.recv[: ep * cap * r_bytes].view(ep * cap, r_bytes)
-        self.stats.dispatch_s += self._exchange(recv.view(-1), send.view(-1))
-        # 3. the expert side: the (row, local expert) pairs this rank holds, grouped by expert
-        comb = buf.comb_send[: ep * cap * lay.hidden].view(ep * cap, lay.hidden)
+        self.stats.calls += 1
+        self.stats.tokens += n
+        self.stats.rows_sent += sum(t.numel() for t in tokens_to)
+        return _Pending(buf, cap, n, experts, tokens_to, recv, self._start(recv.view(-1), send.view(-1)))
+
+    def compute(self, p: "_Pending") -> None:
+        """Wait for the dispatch, run this rank's experts on the (row, local expert) pairs it
+        received, weight and sum them per row, and start the combine exchange."""
+        self.stats.dispatch_s += self._wait(p.work)
+        lay, buf, recv, experts = self.layout, p.buf, p.recv, p.experts
+        comb = buf.comb_send[: self.ep * p.cap * lay.hidden].view(self.ep * p.cap, lay.hidden)
         comb.zero_()
         k = lay.top_k
         rids = lay.ids(recv).long()  # [ep*cap, k]; -1: empty slot
@@ -215,29 +236,45 @@ class EPDispatcher:
         pair, local = pair[order], local[order]
         row, slot = pair // k, pair % k
         if pair.numel():
-            p = pair.numel()
-            torch.index_select(lay.payload(recv), 0, row, out=buf.pairs[:p])
-            xs = buf.xin[:p]
-            if xs is not buf.pairs[:p]:
-                xs.copy_(buf.pairs[:p])
+            n_pairs = pair.numel()
+            torch.index_select(lay.payload(recv), 0, row, out=buf.pairs[:n_pairs])
+            xs = buf.xin[:n_pairs]
+            if xs is not buf.pairs[:n_pairs]:
+                xs.copy_(buf.pairs[:n_pairs])
             if lay.dtype == "int8":
                 xs.mul_(lay.scale(recv)[row])
             counts = torch.bincount(local, minlength=len(experts.expert_ids))
             y = experts.quant_method.apply(experts, xs, local, counts)
             y.mul_(lay.weights(recv)[row, slot, None].to(y.dtype))
             comb.index_add_(0, row, y)
-        # 4. combine: every row goes back to the slot it came from; the source sums its rows
-        back = buf.comb_recv[: ep * cap * lay.hidden].view(ep, cap, lay.hidden)
-        self.stats.combine_s += self._exchange(back.view(-1), comb.view(-1))
-        out = buf.out[:n]
+        # every row goes back to the slot it came from
+        p.back = buf.comb_recv[: self.ep * p.cap * lay.hidden].view(self.ep, p.cap, lay.hidden)
+        p.work = self._start(p.back.view(-1), comb.view(-1))
+
+    def combine(self, p: "_Pending") -> torch.Tensor:
+        """Wait for the combine and sum each token's rows: a view of the set's output rows, which
+        the caller consumes before this set comes round again."""
+        self.stats.combine_s += self._wait(p.work)
+        out = p.buf.out[: p.n]
         out.zero_()
-        for d, t in enumerate(tokens_to):
+        for d, t in enumerate(p.tokens_to):
             if t.numel():
-                out.index_add_(0, t, back[d, : t.numel()])
-        self.stats.calls += 1
-        self.stats.tokens += n
-        self.stats.rows_sent += sum(t.numel() for t in tokens_to)
-        return out  # a view of a static buffer: the caller consumes it before this set comes round again
+                out.index_add_(0, t, p.back[d, : t.numel()])
+        return out
+
+
+@dataclass
+class _Pending:
+    """One MoE call between its phases."""
+
+    buf: _Buffers
+    cap: int
+    n: int
+    experts: object
+    tokens_to: list[torch.Tensor]
+    recv: torch.Tensor
+    work: object  # the exchange in flight (None: done)
+    back: torch.Tensor | None = None
 
 
 def _now() -> float:

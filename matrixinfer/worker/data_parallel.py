@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from matrixinfer.engine.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from matrixinfer.model.moe import MoE
+from matrixinfer.model.context import forward_context
 from matrixinfer.parallel.ep_comm import EPDispatcher
 from matrixinfer.parallel.state import ParallelGroup
 from matrixinfer.worker.model_runner import ModelRunner
@@ -57,9 +57,10 @@ class DataParallelRunner(ModelRunner):
     hidden rows (gathered), so sampling and everything after it is unchanged."""
 
     def __init__(self, model, num_blocks: int, block_size: int, device: torch.device,
-                 group: ParallelGroup, dispatcher: EPDispatcher, balancer=None):
+                 group: ParallelGroup, dispatcher: EPDispatcher, balancer=None, microbatches: int = 1):
         super().__init__(model, num_blocks, block_size, device)
         self.group, self.dispatcher, self.balancer = group, dispatcher, balancer
+        self.microbatches = microbatches
         self.placement = RequestPlacement(group.size)
 
     def execute_model(self, sched: SchedulerOutput, skip: set[str] = frozenset(),
@@ -74,31 +75,63 @@ class DataParallelRunner(ModelRunner):
     def run(self, reqs: list[ScheduledRequest], num_decode: int) -> torch.Tensor:
         owners = self.placement.place(reqs)
         me, size = self.group.rank, self.group.size
-        tokens = [0] * size
-        for r, o in zip(reqs, owners):
-            tokens[o] += len(r.token_ids)
-        most = max(tokens)
-        self.dispatcher.set_step_tokens(most)
-        mine = [r for r, o in zip(reqs, owners) if o == me]
-        if mine:
-            decodes = sum(1 for o in owners[:num_decode] if o == me)  # decode rows lead, in order
-            hidden = super().run(mine, decodes)
-        else:
-            hidden = self.idle()
+        per_rank = [[(r, i < num_decode) for i, (r, o) in enumerate(zip(reqs, owners)) if o == rank]
+                    for rank in range(size)]
+        # each rank's microbatches (one, or a token-balanced split in two), known to every rank
+        splits = [split_microbatches(mine, self.microbatches) for mine in per_rank]
+        caps = [max(_tokens(s[m]) for s in splits) for m in range(self.microbatches)]
+        parts = []
+        for m, mb in enumerate(splits[me]):
+            if mb:
+                ids, pos, ctx = self.prepare([r for r, _ in mb], sum(1 for _, d in mb if d))
+                parts.append((self.model.model.stages(ids, pos), ctx))
+            else:  # nothing here: the exchanges with zero rows (a dummy batch)
+                parts.append((self.model.model.idle_stages(self.kv_cache.dtype, self.device), None))
+        hidden = torch.cat(run_microbatches(parts, caps, self.dispatcher))
+        most = max(_tokens(sum(s, [])) for s in splits)
         padded = hidden.new_zeros(most, hidden.shape[-1])
         padded[: hidden.shape[0]] = hidden
-        parts = self.group.all_gather(padded, dim=0).view(size, most, -1)
+        gathered = self.group.all_gather(padded, dim=0).view(size, most, -1)
         rows, used = [], [0] * size
         for r, o in zip(reqs, owners):
             n = len(r.token_ids)
-            rows.append(parts[o, used[o]: used[o] + n])
+            rows.append(gathered[o, used[o]: used[o] + n])
             used[o] += n
         return torch.cat(rows)
 
-    def idle(self) -> torch.Tensor:
-        """The dummy batch: every MoE layer's exchange with zero tokens, in layer order."""
-        x = torch.empty(0, self.model.config.hidden_size, dtype=self.kv_cache.dtype, device=self.device)
-        for layer in self.model.model.layers:
-            if isinstance(layer.mlp, MoE):
-                layer.mlp(x)
-        return x
+def run_microbatches(parts: list, caps: list[int], dispatcher: EPDispatcher) -> list[torch.Tensor]:
+    """parts: (stages generator, ForwardContext or None) per microbatch; caps: the most tokens
+    any rank has in each. Run the stages in turn: while one microbatch's exchange is in flight
+    the other computes (its attention, or its experts). Every rank interleaves identically, so
+    the collectives meet in the same order everywhere. Returns each microbatch's output."""
+    results: list = [None] * len(parts)
+    live = list(range(len(parts)))
+    while live:
+        for m in list(live):
+            stages, ctx = parts[m]
+            dispatcher.set_step_tokens(caps[m])
+            with forward_context(ctx):
+                try:
+                    next(stages)
+                except StopIteration as done:
+                    results[m] = done.value
+                    live.remove(m)
+    return results
+
+
+def _tokens(mb: list) -> int:
+    return sum(len(r.token_ids) for r, _ in mb)
+
+
+def split_microbatches(mine: list, n: int) -> list[list]:
+    """n = 1: [mine]. n = 2: a prefix holding about half the tokens, and the rest (either may be
+    empty); order is kept, so decode rows still lead each part."""
+    if n == 1:
+        return [mine]
+    if not mine:
+        return [[], []]
+    prefix = [0]
+    for r, _ in mine:
+        prefix.append(prefix[-1] + len(r.token_ids))
+    j = min(range(1, len(mine) + 1), key=lambda j: (abs(2 * prefix[j] - prefix[-1]), j))
+    return [mine[:j], mine[j:]]

@@ -95,7 +95,8 @@ class Worker:
             moes = [layer.mlp for layer in self.model.model.layers if isinstance(layer.mlp, MoE)]
             balancer = ExpertBalancer(moes, group, par.num_redundant_experts, par.eplb_interval, par.eplb_window,
                                       self.device)
-        return DataParallelRunner(self.model, self.num_blocks, block_size, self.device, group, dispatcher, balancer)
+        return DataParallelRunner(self.model, self.num_blocks, block_size, self.device, group, dispatcher, balancer,
+                                  par.microbatches)
 
     def info(self):
         """What the executor tells the engine core about this rank once it is up."""

@@ -10,7 +10,7 @@ from matrixinfer.engine.scheduler import ScheduledRequest
 from matrixinfer.model.loader import load_model
 from matrixinfer.parallel.ep_comm import EPDispatcher, RowLayout
 from matrixinfer.parallel.state import ParallelGroup
-from matrixinfer.worker.data_parallel import RequestPlacement
+from matrixinfer.worker.data_parallel import RequestPlacement, split_microbatches
 
 ONE = ParallelGroup(group=None, ranks=[0], rank=0)
 
@@ -127,3 +127,12 @@ def test_placement_is_sticky_least_loaded_and_frees_finished_requests():
     assert p.place([_req("c"), _req("a")]) == [0, 0]  # sticky, in the order asked
     p.finish(["a", "c", "unknown"])
     assert p.place([_req("d"), _req("e"), _req("b")]) == [0, 0, 1]  # rank 0 was empty, then tied
+
+
+def test_microbatches_split_a_rank_s_requests_by_tokens_keeping_order():
+    reqs = [(ScheduledRequest(f"r{i}", [1] * n, 0, [0], sample=True), n == 1) for i, n in enumerate((1, 1, 1, 9, 4))]
+    first, second = split_microbatches(reqs, 2)
+    assert [r.request_id for r, _ in first] == ["r0", "r1", "r2", "r3"] and first + second == reqs  # 12 | 4
+    assert split_microbatches(reqs[:1], 2) == [reqs[:1], []]
+    assert split_microbatches([], 2) == [[], []]
+    assert split_microbatches(reqs, 1) == [reqs]

@@ -66,6 +66,20 @@ def test_ep2_with_redundant_experts_rebalanced_every_step_is_token_identical():
     _check_identical(DEFAULT_MODEL, 2, num_redundant_experts=2, eplb_interval=1, eplb_window=4)
 
 
+@pytest.mark.slow
+def test_ep2_two_microbatches_equal_the_serial_execution():
+    """Token-identical to one process, and the same teacher-forced logprobs as serial EP (the
+    expert matmuls see other row batches, so within float32 rounding rather than bitwise)."""
+    _check_identical(DEFAULT_MODEL, 2, microbatches=2)
+    prompts = ranks.prompts(4096, (40, 33, 25, 48))
+    kw = dict(model=DEFAULT_MODEL, expert_parallel_size=2, dispatch_dtype="float32", **KW)
+    with LLM(**kw) as serial:
+        ref = _prompt_logprobs(serial, prompts)
+    with LLM(microbatches=2, **kw) as overlapped:
+        got = _prompt_logprobs(overlapped, prompts)
+    assert (got - ref).abs().max() < 1e-5
+
+
 def _prompt_logprobs(llm, prompts) -> torch.Tensor:
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
     outs = llm.generate(prompts, params, use_tqdm=False)
