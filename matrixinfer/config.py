@@ -189,6 +189,10 @@ class ParallelConfig:
     # EPLB (expert parallelism): R redundant expert slots placed from measured load, rebalanced
     # every eplb_interval steps (0: never) over a window of the last eplb_window steps
     num_redundant_experts: int = 0
+    # shared experts: on every EP rank (replicated), or on the last `shared_expert_ranks` EP ranks
+    # only, which then hold no routed expert (dedicated, as the paper's 32 of 320 dies)
+    shared_expert_placement: str = "replicated"
+    shared_expert_ranks: int = 1
     microbatches: int = 1  # 2: split each rank's batch in two and overlap one's exchanges with the other's compute
     eplb_interval: int = 0
     eplb_window: int = 100
@@ -259,6 +263,8 @@ class EngineConfig:
         "eplb_interval": ("parallel", "eplb_interval"),
         "eplb_window": ("parallel", "eplb_window"),
         "microbatches": ("parallel", "microbatches"),
+        "shared_expert_placement": ("parallel", "shared_expert_placement"),
+        "shared_expert_ranks": ("parallel", "shared_expert_ranks"),
         "quantization": ("quantization", "method"),
     }
 
@@ -300,6 +306,13 @@ class EngineConfig:
         if self.parallel.expert_parallel_size == 1 and (self.parallel.num_redundant_experts or self.parallel.eplb_interval
                                                         or self.parallel.microbatches != 1):
             raise ValueError("redundant experts / EPLB / microbatches need expert_parallel_size > 1")
+        if self.parallel.shared_expert_placement not in ("replicated", "dedicated"):
+            raise ValueError(f"shared_expert_placement {self.parallel.shared_expert_placement!r}: replicated or dedicated")
+        if self.parallel.shared_expert_placement == "dedicated":
+            if not 1 <= self.parallel.shared_expert_ranks < self.parallel.expert_parallel_size:
+                raise ValueError("dedicated shared experts need 1 <= shared_expert_ranks < expert_parallel_size")
+            if self.parallel.num_redundant_experts or self.parallel.eplb_interval:
+                raise ValueError("EPLB with dedicated shared-expert ranks is not built yet")
         if self.parallel.microbatches not in (1, 2):
             raise ValueError(f"microbatches {self.parallel.microbatches}: 1 or 2")
         if self.parallel.expert_parallel_size > 1:
@@ -347,6 +360,9 @@ class EngineConfig:
                        help="EPLB: extra expert replicas placed from measured load (needs -ep > 1)")
         p.add_argument("--eplb-interval", type=int, default=0, help="EPLB: rebalance every N steps (0: never)")
         p.add_argument("--eplb-window", type=int, default=100, help="EPLB: steps of token counts a rebalance uses")
+        p.add_argument("--shared-expert-placement", default="replicated", choices=["replicated", "dedicated"],
+                       help="dedicated: shared experts only on the last --shared-expert-ranks EP ranks")
+        p.add_argument("--shared-expert-ranks", type=int, default=1)
         p.add_argument("--microbatches", type=int, default=1, choices=[1, 2],
                        help="2: overlap one microbatch's dispatch/combine with the other's compute (needs -ep > 1)")
         p.add_argument("--distributed-executor-backend", default="auto", choices=["auto", "uni", "mp"])
@@ -395,6 +411,7 @@ class EngineConfig:
                   max_num_seqs=args.max_num_seqs, dispatch_dtype=args.dispatch_dtype,
                   num_redundant_experts=args.num_redundant_experts, eplb_interval=args.eplb_interval,
                   eplb_window=args.eplb_window, microbatches=args.microbatches,
+                  shared_expert_placement=args.shared_expert_placement, shared_expert_ranks=args.shared_expert_ranks,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                   distributed_executor_backend=args.distributed_executor_backend, kv_transfer_config=kv,
                   load_format=args.load_format, model_source_mbps=args.model_source_mbps)

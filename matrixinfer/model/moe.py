@@ -5,7 +5,8 @@ The routed experts held by this process may be a subset (expert parallelism): `e
 (layers/experts.py) holds only those. Without a dispatcher they compute only their (token,
 expert) pairs of this process's tokens; with expert parallelism (parallel/ep_comm.py) the tokens
 travel to the ranks holding their experts and the weighted outputs come back. The router always
-scores all experts; shared experts are replicated on every EP rank and run on the local tokens.
+scores all experts; shared experts are replicated on every EP rank and run on the local tokens,
+or (dedicated placement) run on their own ranks, reached through the same dispatch/combine.
 """
 
 from __future__ import annotations
@@ -90,11 +91,14 @@ class MoE(nn.Module):
         if dispatcher is None:
             out = self.experts(x, weights, ids)
         else:
-            pending = dispatcher.dispatch(x, weights, ids, self.experts)
+            dedicated = bool(dispatcher.shared_ranks) and self.shared_experts is not None
+            pending = dispatcher.dispatch(x, weights, ids, self.experts, self.shared_experts if dedicated else None)
             yield
             dispatcher.compute(pending)
             yield
             out = dispatcher.combine(pending)
+            if dedicated:  # the shared experts ran on their own ranks; combine brought them back
+                return tp_all_reduce(out).view(shape)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return tp_all_reduce(out).view(shape)

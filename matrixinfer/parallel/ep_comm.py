@@ -128,19 +128,30 @@ class CommStats:
     tokens: int = 0  # tokens dispatched
 
 
+SHARED = -2  # the id slot that sends a token to a dedicated shared-expert rank
+
+
 class EPDispatcher:
     """Dispatch/combine for one EP group. `owner[e]` is the EP rank holding routed expert e
-    (with redundant experts, each layer's `experts.routing` says instead)."""
+    (with redundant experts, each layer's `experts.routing` says instead).
+
+    shared_ranks: the EP ranks that hold the shared experts (the paper's dedicated placement;
+    they hold no routed expert). Each token then also goes to one of them (in turn by token
+    index), its row carrying one more id slot (SHARED, weight 1), and the combine brings the
+    shared experts' output back with the routed ones. Empty: shared experts are replicated and
+    every rank runs them on its own tokens (the MoE layer does, not the dispatcher)."""
 
     def __init__(self, group: ParallelGroup, owner: list[int], top_k: int, hidden: int, max_tokens: int,
                  dispatch_dtype: str, out_dtype: torch.dtype, device: torch.device | str = "cpu",
-                 timed: bool = False):
+                 timed: bool = False, shared_ranks: list[int] = ()):
         if dispatch_dtype not in DISPATCH_DTYPES:
             raise ValueError(f"dispatch dtype {dispatch_dtype!r}: one of {', '.join(DISPATCH_DTYPES)}")
         if len(owner) >= 2**15:
             raise ValueError("expert ids travel as int16: at most 32767 experts")
         self.group, self.ep, self.rank = group, group.size, group.rank
-        self.layout = RowLayout(hidden, top_k, dispatch_dtype)
+        self.shared_ranks = list(shared_ranks)
+        self._shared_t = torch.tensor(self.shared_ranks, dtype=torch.long, device=device)
+        self.layout = RowLayout(hidden, top_k + (1 if self.shared_ranks else 0), dispatch_dtype)
         self.max_tokens = max_tokens
         self.owner = torch.tensor(owner, dtype=torch.long, device=device)
         self.ranks = torch.arange(self.ep, device=device)
@@ -181,8 +192,10 @@ class EPDispatcher:
         self.compute(pending)
         return self.combine(pending)
 
-    def dispatch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts) -> "_Pending":
-        """Pack this rank's rows into the next buffer set and start the dispatch exchange."""
+    def dispatch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts,
+                 shared=None) -> "_Pending":
+        """Pack this rank's rows into the next buffer set and start the dispatch exchange.
+        `shared`: the layer's shared experts (used where this rank is a dedicated shared rank)."""
         buf = self.sets[self.parity]
         self.parity ^= 1
         lay, ep, cap, n = self.layout, self.ep, self.step_tokens, x.shape[0]
@@ -202,10 +215,16 @@ class EPDispatcher:
             quantize_per_token_(work, lay.payload(stage), lay.scale(stage))
         else:
             lay.payload(stage).copy_(x)
-        lay.weights(stage).copy_(weights)
-        lay.ids(stage).copy_(ids)
+        k = ids.shape[1]
+        lay.weights(stage)[:, :k].copy_(weights)
+        lay.ids(stage)[:, :k].copy_(ids)
         # 2. each destination's segment: the rows of the tokens with an expert there, in token order
         dest = (owner[ids].unsqueeze(-1) == self.ranks).any(1)  # [N, ep]
+        if self.shared_ranks:
+            lay.weights(stage)[:, k].fill_(1.0)
+            lay.ids(stage)[:, k].fill_(SHARED)
+            tokens = torch.arange(n, device=x.device)
+            dest[tokens, self._shared_t[(tokens + self.rank) % len(self.shared_ranks)]] = True
         send = buf.send[: ep * cap * r_bytes].view(ep, cap, r_bytes)
         tokens_to = []
         for d in range(ep):
@@ -218,7 +237,18 @@ class EPDispatcher:
         self.stats.calls += 1
         self.stats.tokens += n
         self.stats.rows_sent += sum(t.numel() for t in tokens_to)
-        return _Pending(buf, cap, n, experts, tokens_to, recv, self._start(recv.view(-1), send.view(-1)))
+        return _Pending(buf, cap, n, experts, shared, tokens_to, recv, self._start(recv.view(-1), send.view(-1)))
+
+    def _expert_input(self, recv: torch.Tensor, rows: torch.Tensor, buf: _Buffers) -> torch.Tensor:
+        """The received payloads of `rows`, dequantized to the model dtype, in the set's static rows."""
+        lay, n = self.layout, rows.numel()
+        torch.index_select(lay.payload(recv), 0, rows, out=buf.pairs[:n])
+        xs = buf.xin[:n]
+        if buf.xin is not buf.pairs:
+            xs.copy_(buf.pairs[:n])
+        if lay.dtype == "int8":
+            xs.mul_(lay.scale(recv)[rows])
+        return xs
 
     def compute(self, p: "_Pending") -> None:
         """Wait for the dispatch, run this rank's experts on the (row, local expert) pairs it
@@ -237,16 +267,15 @@ class EPDispatcher:
         row, slot = pair // k, pair % k
         if pair.numel():
             n_pairs = pair.numel()
-            torch.index_select(lay.payload(recv), 0, row, out=buf.pairs[:n_pairs])
-            xs = buf.xin[:n_pairs]
-            if xs is not buf.pairs[:n_pairs]:
-                xs.copy_(buf.pairs[:n_pairs])
-            if lay.dtype == "int8":
-                xs.mul_(lay.scale(recv)[row])
+            xs = self._expert_input(recv, row, buf)
             counts = torch.bincount(local, minlength=len(experts.expert_ids))
             y = experts.quant_method.apply(experts, xs, local, counts)
             y.mul_(lay.weights(recv)[row, slot, None].to(y.dtype))
             comb.index_add_(0, row, y)
+        if self.rank in self.shared_ranks:  # a dedicated shared-expert rank: every row it got is for them
+            rows = (rids == SHARED).any(1).nonzero().flatten()
+            if rows.numel():
+                comb.index_add_(0, rows, p.shared(self._expert_input(recv, rows, buf)))
         # every row goes back to the slot it came from
         p.back = buf.comb_recv[: self.ep * p.cap * lay.hidden].view(self.ep, p.cap, lay.hidden)
         p.work = self._start(p.back.view(-1), comb.view(-1))
@@ -271,6 +300,7 @@ class _Pending:
     cap: int
     n: int
     experts: object
+    shared: object  # the layer's shared experts (dedicated placement), else None
     tokens_to: list[torch.Tensor]
     recv: torch.Tensor
     work: object  # the exchange in flight (None: done)

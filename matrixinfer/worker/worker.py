@@ -59,16 +59,25 @@ class Worker:
         if self.connector is not None:
             self.connector.register_kv_cache(self.runner.kv_cache)
 
+    def routed_ranks(self) -> int:
+        """EP ranks that hold routed experts (all but the dedicated shared-expert ranks)."""
+        par = self.config.parallel
+        dedicated = par.shared_expert_placement == "dedicated"
+        return par.expert_parallel_size - (par.shared_expert_ranks if dedicated else 0)
+
     def expert_ids(self) -> list[int] | None:
         """The routed experts this rank holds (None: all of them)."""
-        ep = self.config.parallel.expert_parallel_size
-        if ep == 1:
+        if self.config.parallel.expert_parallel_size == 1:
             return None
         from matrixinfer.config import ModelConfig
         from matrixinfer.parallel import expert_partition, get_ep_group
 
-        n = ModelConfig.from_pretrained(self.config.model).n_routed_experts
-        return expert_partition(n, ep)[get_ep_group().rank]
+        cfg = ModelConfig.from_pretrained(self.config.model)
+        if self.config.parallel.shared_expert_placement == "dedicated" and not cfg.n_shared_experts:
+            raise ValueError(f"{self.config.model} has no shared experts to place on dedicated ranks")
+        parts = expert_partition(cfg.n_routed_experts, self.routed_ranks())
+        rank = get_ep_group().rank
+        return parts[rank] if rank < len(parts) else []
 
     def _make_runner(self) -> ModelRunner:
         block_size = self.config.cache.block_size
@@ -79,12 +88,14 @@ class Worker:
         from matrixinfer.worker.data_parallel import DataParallelRunner
 
         cfg, group = self.model.config, get_ep_group()
-        owner = [r for r, ids in enumerate(expert_partition(cfg.n_routed_experts, group.size)) for _ in ids]
+        routed = self.routed_ranks()
+        owner = [r for r, ids in enumerate(expert_partition(cfg.n_routed_experts, routed)) for _ in ids]
         dtype = self.model.lm_head.weight.dtype
         dispatch = self.config.parallel.dispatch_dtype
         dispatch = str(dtype).removeprefix("torch.") if dispatch == "auto" else dispatch
         dispatcher = EPDispatcher(group, owner, cfg.num_experts_per_tok, cfg.hidden_size,
-                                  self.config.scheduler.max_num_batched_tokens, dispatch, dtype, self.device)
+                                  self.config.scheduler.max_num_batched_tokens, dispatch, dtype, self.device,
+                                  shared_ranks=list(range(routed, group.size)))
         set_dispatcher(dispatcher)
         balancer = None
         par = self.config.parallel

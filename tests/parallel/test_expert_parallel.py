@@ -62,6 +62,13 @@ def test_ep2_composes_with_tp2_token_identical(uneven):
 
 
 @pytest.mark.slow
+def test_dedicated_shared_expert_rank_is_token_identical(uneven):
+    """EP=3: 7 routed experts on ranks 0-1 (4 + 3), the two shared experts on rank 2 only;
+    every rank still runs attention for its own requests (with microbatches, too)."""
+    _check_identical(uneven, 3, shared_expert_placement="dedicated", microbatches=2)
+
+
+@pytest.mark.slow
 def test_ep2_with_redundant_experts_rebalanced_every_step_is_token_identical():
     _check_identical(DEFAULT_MODEL, 2, num_redundant_experts=2, eplb_interval=1, eplb_window=4)
 
