@@ -193,7 +193,9 @@ def eplb_rows(load: list[float], ep: int, redundant: list[int]) -> list[dict]:
 
 # ---------------------------------------------------------------- decode and the projection
 
-def decode_rows(model_dir: str, requests: int, input_len: int, output_len: int) -> list[dict]:
+def decode_rows(model_dir: str, requests: int, input_len: int, output_len: int, repeats: int) -> list[dict]:
+    """The engine's decode step per setup: `repeats` interleaved runs, medians (this machine's
+    cores are shared, so single runs wander)."""
     from matrixinfer.bench.executor_bench import _measure
 
     g = torch.Generator().manual_seed(0)
@@ -203,9 +205,15 @@ def decode_rows(model_dir: str, requests: int, input_len: int, output_len: int) 
               "EP=2 bf16 dispatch": dict(expert_parallel_size=2, dispatch_dtype="bfloat16"),
               "EP=2 int8 dispatch": dict(expert_parallel_size=2, dispatch_dtype="int8"),
               "EP=2 int8, 2 microbatches": dict(expert_parallel_size=2, dispatch_dtype="int8", microbatches=2)}
+    samples: dict[str, list] = {name: [] for name in setups}
+    for _ in range(repeats):
+        for name, kw in setups.items():
+            samples[name].append(_measure(model_dir, dict(enable_prefix_caching=False, **kw), prompts, output_len,
+                                          "bfloat16"))
     rows = []
     for name, kw in setups.items():
-        step, tps = _measure(model_dir, dict(enable_prefix_caching=False, **kw), prompts, output_len, "bfloat16")
+        step = statistics.median(s for s, _ in samples[name])
+        tps = statistics.median(t for _, t in samples[name])
         ranks = kw.get("expert_parallel_size", 1)
         rows.append(dict(setup=name, step_ms=step * 1e3, tokens_per_s=tps, tokens_per_s_per_rank=tps / ranks))
     return rows
@@ -269,7 +277,8 @@ def main(args) -> int:
                                     for r in overlap])
     print(overlap_table, "\n")
 
-    decode = decode_rows(args.model, args.requests, args.input_len, args.output_len) if args.requests else []
+    decode = (decode_rows(args.model, args.requests, args.input_len, args.output_len, args.repeats)
+              if args.requests else [])
     decode_table = markdown_table(["setup", "decode step ms", "output tok/s", "tok/s per rank"],
                                   [[r["setup"], r["step_ms"], r["tokens_per_s"], r["tokens_per_s_per_rank"]]
                                    for r in decode])
@@ -299,8 +308,9 @@ def main(args) -> int:
           f"slowest rank spends waiting on exchanges, and the share of the serial wait the overlap hides. "
           f"On this CPU the 'other' microbatch competes with gloo's own threads for the same cores, which "
           f"bounds what can be hidden.\n\n{overlap_table}\n\n"
-          f"**Decode step** ({args.requests} requests of {args.input_len} + {args.output_len} tokens, bf16, medians "
-          f"of the engine's decode step; the EP ranks share this machine's cores):\n\n{decode_table}\n\n"
+          f"**Decode step** ({args.requests} requests of {args.input_len} + {args.output_len} tokens, bf16, "
+          f"{args.repeats} interleaved runs, medians of the engine's decode step; the EP ranks share this "
+          f"machine's cores with each other and with whatever else runs on it):\n\n{decode_table}\n\n"
           f"**Projected to EP320 on CloudMatrix384** (the simulator's DeepEP-style dispatch/combine model, "
           f"DeepSeek-R1, 96 tokens per die; decode with the Zipf EPLB imbalance after R=32 above):\n\n"
           f"{proj_table}\n\n{proj_decode}\n")
@@ -355,4 +365,5 @@ def add_arguments(p) -> None:
     p.add_argument("--requests", type=int, default=8, help="decode comparison (0: skip it)")
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3, help="interleaved runs of the decode comparison")
     p.add_argument("--no-write", action="store_true", help="print only, write no results")

@@ -7,6 +7,8 @@ back in a second. A dispatched row carries everything the expert side needs:
     [ payload: hidden as int8 | bfloat16 | float32 ][ fp32 scale (int8 only) ][ k fp32 routing
       weights ][ k int16 global expert ids ][ pad to 4 bytes ]
 
+(one more weight/id slot, SHARED, when shared experts sit on dedicated ranks.)
+
 A token goes once to each rank holding at least one of its experts (not once per expert), with
 all k ids and weights; the receiver keeps the pairs whose expert it holds, runs its experts,
 multiplies by the routing weights and sums per row, so combine returns one row per (token,
@@ -31,6 +33,7 @@ experts' own computation allocates.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from time import perf_counter as _now
 
 import torch
 import torch.distributed as dist
@@ -305,12 +308,6 @@ class _Pending:
     recv: torch.Tensor
     work: object  # the exchange in flight (None: done)
     back: torch.Tensor | None = None
-
-
-def _now() -> float:
-    import time
-
-    return time.perf_counter()
 
 
 _DISPATCHER: EPDispatcher | None = None
