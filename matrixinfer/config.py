@@ -319,8 +319,6 @@ class EngineConfig:
             if self.cache.enable_prefix_caching:
                 raise ValueError("prefix caching with expert_parallel_size > 1 is not supported: each rank holds the "
                                  "KV of its own requests, so a cached block is on one rank only")
-            if self.kv_transfer.connector is not None:
-                raise ValueError("a KV connector with expert_parallel_size > 1 is not built yet")
             if self.speculative.method is not None:
                 raise ValueError("speculative decoding with expert_parallel_size > 1 is not built yet")
         if self.parallel.executor not in ("auto", "uni", "mp"):

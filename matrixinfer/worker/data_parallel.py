@@ -12,6 +12,8 @@ on every rank, but a rank only writes and reads the blocks of its own requests. 
 exact; the cost is memory: each rank holds a pool as large as the whole instance's, used at
 about 1/ep (a per-rank block pool in the scheduler would remove that). For the same reason
 prefix caching is off with expert parallelism: a cached block lives on the rank that wrote it.
+The EMS KV connector works: loads go into every rank's pool (only the owner reads them: the
+cost is ep x the load traffic), and each replica saves the blocks of its own requests.
 
 A rank with no request this step still runs every MoE layer's exchange with zero tokens (a
 dummy batch), so the collectives never wait on it. After the model, the ranks all-gather their
@@ -66,6 +68,7 @@ class DataParallelRunner(ModelRunner):
     def execute_model(self, sched: SchedulerOutput, skip: set[str] = frozenset(),
                       driver: bool = True) -> ModelRunnerOutput | None:
         self.placement.finish(sched.finished_request_ids)
+        self.own_blocks: set[int] = set()  # the KV blocks this rank's requests use this step
         out = super().execute_model(sched, skip, driver)
         if self.balancer is not None:
             self.balancer.end_step()  # every rank, every step: counts, and at times the experts move
@@ -80,6 +83,7 @@ class DataParallelRunner(ModelRunner):
         # each rank's microbatches (one, or a token-balanced split in two), known to every rank
         splits = [split_microbatches(mine, self.microbatches) for mine in per_rank]
         caps = [max(_tokens(s[m]) for s in splits) for m in range(self.microbatches)]
+        self.own_blocks = {b for r, _ in per_rank[me] for b in r.block_table}
         parts = []
         for m, mb in enumerate(splits[me]):
             if mb:

@@ -55,7 +55,9 @@ class Worker:
         self.max_model_len = max_model_len_of(config, self.model.config.max_position_embeddings)
         self.num_blocks = num_kv_blocks(config, self.model, self.max_model_len)
         self.runner = self._make_runner()
-        self.connector = make_worker_connector(config.kv_transfer, rank)
+        from matrixinfer.parallel import get_tp_rank
+
+        self.connector = make_worker_connector(config.kv_transfer, get_tp_rank())
         if self.connector is not None:
             self.connector.register_kv_cache(self.runner.kv_cache)
 
@@ -158,6 +160,9 @@ class Worker:
             skip = self._agree(self.connector.get_failed_loads())
         out = self.runner.execute_model(sched, skip, driver=self.rank == 0)
         if self.connector is not None and meta is not None:
+            own = getattr(self.runner, "own_blocks", None)  # attention data parallel: what this rank wrote
+            if own is not None:
+                self.connector.keep_saves(own)
             self.connector.wait_for_save()
         return out
 
