@@ -12,6 +12,7 @@ from matrixinfer.config import EngineConfig
 from matrixinfer.engine.scheduler import ModelRunnerOutput, SchedulerOutput
 from matrixinfer.kv_connector import make_worker_connector
 from matrixinfer.model.loader import load_model
+from matrixinfer.worker.compiled_decode import CompiledDecode
 from matrixinfer.worker.model_runner import ModelRunner
 
 
@@ -54,7 +55,10 @@ class Worker:
                              "is not quantized (write one with `matrixinfer quantize --model DIR --out DIR`)")
         self.max_model_len = max_model_len_of(config, self.model.config.max_position_embeddings)
         self.num_blocks = num_kv_blocks(config, self.model, self.max_model_len)
-        self.runner = ModelRunner(self.model, self.num_blocks, config.cache.block_size, self.device)
+        compiled = None if config.enforce_eager else CompiledDecode(self.model)
+        self.runner = ModelRunner(self.model, self.num_blocks, config.cache.block_size, self.device, compiled)
+        if compiled is not None:  # compile now (the cache exists), not on the first request
+            compiled.warm_up(config.scheduler.max_num_seqs, self.device)
         self.connector = make_worker_connector(config.kv_transfer, rank)
         if self.connector is not None:
             self.connector.register_kv_cache(self.runner.kv_cache)
