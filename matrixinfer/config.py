@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -239,6 +240,9 @@ class EngineConfig:
     num_threads: int | None = None  # intra-op threads per rank (None: torch's default, or cores / ranks)
     load_format: str = "disk"  # "disk" | "ems": weights through the EMS model cache (one copy in the pool)
     model_source_mbps: float = 0.0  # with "ems": read the model directory at this cap (a stand-in for object storage)
+    # False: decode-only steps run a torch.compile'd forward (inductor; compiled at start-up,
+    # cached on disk by inductor). MATRIXINFER_ENFORCE_EAGER=1 flips the default (the test suite does).
+    enforce_eager: bool = field(default_factory=lambda: os.environ.get("MATRIXINFER_ENFORCE_EAGER", "0") == "1")
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -273,7 +277,7 @@ class EngineConfig:
         cfg = cls(model=str(model))
         sections = {"kv_transfer_config": "kv_transfer", "speculative_config": "speculative"}
         for key, value in kwargs.items():
-            if key in ("dtype", "device", "seed", "load_format", "model_source_mbps", "num_threads"):
+            if key in ("dtype", "device", "seed", "load_format", "model_source_mbps", "num_threads", "enforce_eager"):
                 setattr(cfg, key, value)
             elif key in cls._FLAT:
                 section, name = cls._FLAT[key]
@@ -371,6 +375,8 @@ class EngineConfig:
                        help="ems: instances load weights through the EMS model cache (one copy in the pool)")
         p.add_argument("--model-source-mbps", type=float, default=0.0,
                        help="with --load-format ems: read the model directory at this many MB/s (object storage)")
+        p.add_argument("--enforce-eager", action="store_true", default=None,
+                       help="run decode steps eagerly instead of the torch.compile'd forward (no compile at start-up)")
         p.add_argument("--deployment", default=None,
                        help="a deployment YAML (see matrixinfer/deployment.py): model, dtype and parallel sizes "
                             "from the file that `matrixinfer simulate deployment` reads")
@@ -415,6 +421,8 @@ class EngineConfig:
                   load_format=args.load_format, model_source_mbps=args.model_source_mbps)
         if args.no_prefix_caching:  # on by default, off by default with expert parallelism
             kw["enable_prefix_caching"] = False
+        if getattr(args, "enforce_eager", None):
+            kw["enforce_eager"] = True
         if args.deployment:
             from matrixinfer.deployment import load_deployment
 

@@ -1,5 +1,11 @@
+import os
+
 import pytest
 import torch
+
+# Engines in tests run eagerly unless a test asks for the compiled decode step (it costs tens
+# of seconds of compiling per engine on two cores); set before any engine process is spawned.
+os.environ.setdefault("MATRIXINFER_ENFORCE_EAGER", "1")
 
 from tests.hf_fixtures import VARIANTS, make_checkpoint, make_tokenizer
 

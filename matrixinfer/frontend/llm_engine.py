@@ -54,9 +54,14 @@ class LLMEngine:
         return results
 
     @property
+    def worker(self):
+        """The in-process rank-0 worker (benches and tests look at its model and runner)."""
+        return self.core.core.executor.worker
+
+    @property
     def model(self):
         """The in-process rank-0 model (benches count its bytes and FLOPs)."""
-        return self.core.core.executor.worker.model
+        return self.worker.model
 
     @property
     def scheduler(self):

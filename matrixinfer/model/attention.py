@@ -36,6 +36,18 @@ from matrixinfer.model.layers import (
 from matrixinfer.parallel.state import get_tp_size
 
 
+@torch.library.custom_op("matrixinfer::write_latents", mutates_args=("cache",))
+def write_latents(cache: torch.Tensor, slots: torch.Tensor, latents: torch.Tensor) -> None:
+    """cache [blocks, block_size, D] <- latents [N, D] at flat slots [N]. An op of its own so
+    that a compiled step writes the slots in place instead of copying the whole cache."""
+    cache.view(-1, cache.shape[-1]).index_copy_(0, slots, latents.to(cache.dtype))
+
+
+@write_latents.register_fake
+def _(cache, slots, latents):
+    return None
+
+
 class MLAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, quant_config: QuantizationConfig | None = None,
                  prefix: str = ""):
@@ -132,8 +144,12 @@ class MLAttention(nn.Module):
     # -- paged path -----------------------------------------------------------------------------
     def _forward_paged(self, ctx: ForwardContext, q_nope, q_pe, c_kv, k_pe) -> torch.Tensor:
         cache = self.kv_cache
-        flat = cache.view(-1, cache.shape[-1])
-        flat[ctx.slot_mapping] = torch.cat([c_kv, k_pe], dim=-1).to(cache.dtype)
+        write_latents(cache, ctx.slot_mapping, torch.cat([c_kv, k_pe], dim=-1))
+        if ctx.decode_only:
+            # Every sequence has one new token: shapes come from the tensors alone (the block
+            # table is padded by the runner), so this path has no host syncs and compiles once.
+            latents = cache[ctx.block_tables].flatten(1, 2)
+            return self._attend_absorbed(q_nope, q_pe, latents, ctx.context_lens_tensor)
         out = q_nope.new_empty(q_nope.shape[0], self.n_heads, self.v_dim)
         nd = ctx.num_decode_seqs
         if nd:

@@ -23,6 +23,9 @@ class ForwardContext:
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int64
     num_decode_seqs: int
     context_lens_tensor: torch.Tensor | None = None  # [num_seqs] on device
+    # All sequences decode one token: attention reads only the tensors above (the captured /
+    # compiled decode step relies on it; query_lens and context_lens may be empty then).
+    decode_only: bool = False
 
 
 _CONTEXT: ForwardContext | None = None

@@ -117,6 +117,17 @@ class W8A8ExpertsMethod(ExpertsMethodBase):
             scale = _make_scale(layer, rows, _scale_loader(weight_loader), 1, leading=(num_experts,))
             layer.register_parameter(name, scale)
 
+    def apply_all(self, layer, x):
+        xq, sx = quantize_activation(x, self.act_strategy)  # once for all experts
+        return torch.stack([self._expert(layer, e, xq, sx, x.dtype) for e in range(layer.w13_weight.shape[0])])
+
+    def _expert(self, layer, e: int, xq: torch.Tensor, sx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        acc = int_mm(xq, layer.w13_weight[e].t())
+        gate, up = (acc.float() * sx * layer.w13_weight_scale[e].t()).chunk(2, dim=-1)
+        hq, sh = quantize_activation(F.silu(gate) * up, self.act_strategy)
+        acc = int_mm(hq, layer.w2_weight[e].t())
+        return (acc.float() * sh * layer.w2_weight_scale[e].t()).to(dtype)
+
     def apply(self, layer, xs, local, counts):
         dtype = xs.dtype
         xq, sx = quantize_activation(xs, self.act_strategy)
@@ -125,11 +136,7 @@ class W8A8ExpertsMethod(ExpertsMethodBase):
         for e, n in enumerate(counts.tolist()):
             if n:
                 rows = slice(start, start + n)
-                acc = int_mm(xq[rows], layer.w13_weight[e].t())
-                gate, up = (acc.float() * sx[rows] * layer.w13_weight_scale[e].t()).chunk(2, dim=-1)
-                hq, sh = quantize_activation(F.silu(gate) * up, self.act_strategy)
-                acc = int_mm(hq, layer.w2_weight[e].t())
-                out[rows] = (acc.float() * sh * layer.w2_weight_scale[e].t()).to(dtype)
+                out[rows] = self._expert(layer, e, xq[rows], sx[rows], dtype)
             start += n
         return out
 

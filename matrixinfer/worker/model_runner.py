@@ -10,12 +10,15 @@ from matrixinfer.engine.request import Logprob, PromptLogprobs
 from matrixinfer.engine.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from matrixinfer.model.context import ForwardContext, forward_context
 from matrixinfer.model.deepseek import DeepseekForCausalLM
+from matrixinfer.worker.compiled_decode import MIN_TABLE_WIDTH, CompiledDecode
 from matrixinfer.worker.sampler import SamplingRow, sample
 
 
 class ModelRunner:
-    def __init__(self, model: DeepseekForCausalLM, num_blocks: int, block_size: int, device: torch.device):
+    def __init__(self, model: DeepseekForCausalLM, num_blocks: int, block_size: int, device: torch.device,
+                 compiled_decode: CompiledDecode | None = None):
         self.model, self.device, self.block_size = model, device, block_size
+        self.compiled_decode = compiled_decode  # None: every step eager
         dtype = model.lm_head.weight.dtype  # the model dtype (the router alone stays float32)
         layers = model.attention_layers()
         # One tensor for all layers: [layers, blocks, block_size, kv_lora_rank + rope]
@@ -40,7 +43,10 @@ class ModelRunner:
             slots += [r.block_table[p // bs] * bs + p % bs for p in range(r.start_pos, r.start_pos + n)]
             query_lens.append(n)
             context_lens.append(r.start_pos + n)
+        decode_only = num_decode == len(reqs) and len(input_ids) == len(reqs)
         max_blocks = max(len(r.block_table) for r in reqs)
+        if decode_only:
+            max_blocks = max(max_blocks, MIN_TABLE_WIDTH)
         tables = [r.block_table + [0] * (max_blocks - len(r.block_table)) for r in reqs]
         dev = self.device
         ctx = ForwardContext(
@@ -49,6 +55,7 @@ class ModelRunner:
             block_tables=torch.tensor(tables, dtype=torch.long, device=dev),
             num_decode_seqs=num_decode,
             context_lens_tensor=torch.tensor(context_lens, dtype=torch.long, device=dev),
+            decode_only=decode_only,
         )
         return (torch.tensor(input_ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev), ctx)
@@ -97,6 +104,8 @@ class ModelRunner:
     def run(self, reqs: list[ScheduledRequest], num_decode: int) -> torch.Tensor:
         """The model over one step's tokens: final hidden states [tokens, hidden]."""
         ids, pos, ctx = self.prepare(reqs, num_decode)
+        if ctx.decode_only and self.compiled_decode is not None:
+            return self.compiled_decode(ids, pos, ctx)
         with forward_context(ctx):
             return self.model(ids, pos)
 

@@ -12,6 +12,7 @@ from matrixinfer.config import EngineConfig
 from matrixinfer.engine.scheduler import ModelRunnerOutput, SchedulerOutput
 from matrixinfer.kv_connector import make_worker_connector
 from matrixinfer.model.loader import load_model
+from matrixinfer.worker.compiled_decode import CompiledDecode
 from matrixinfer.worker.model_runner import ModelRunner
 
 
@@ -84,7 +85,12 @@ class Worker:
     def _make_runner(self) -> ModelRunner:
         block_size = self.config.cache.block_size
         if self.config.parallel.expert_parallel_size == 1:
-            return ModelRunner(self.model, self.num_blocks, block_size, self.device)
+            compiled = None if self.config.enforce_eager else CompiledDecode(self.model)
+            runner = ModelRunner(self.model, self.num_blocks, block_size, self.device, compiled)
+            if compiled is not None:  # compile now (the cache exists), not on the first request
+                compiled.warm_up(self.config.scheduler.max_num_seqs, self.device)
+            return runner
+        # expert parallelism runs eagerly: the exchanges' collectives and row counts are not compiled
         from matrixinfer.parallel import expert_partition, get_ep_group
         from matrixinfer.parallel.ep_comm import EPDispatcher, set_dispatcher
         from matrixinfer.worker.data_parallel import DataParallelRunner

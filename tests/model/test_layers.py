@@ -135,6 +135,14 @@ class Recording(QuantizationConfig):
                 config.applied.add(prefix)
                 return super().apply(layer, xs, local, counts)
 
+            def apply_all(self, layer, x):
+                config.applied.add(prefix)
+                return super().apply_all(layer, x)
+
+            def apply_pairs(self, layer, x, local):
+                config.applied.add(prefix)
+                return super().apply_pairs(layer, x, local)
+
         return Method()
 
 
@@ -152,3 +160,24 @@ def test_quant_method_is_the_only_path_to_the_weights(tmp_path):
         ref = plain.compute_logits(plain(ids, pos))
     assert recording.applied == layers
     assert torch.allclose(doubled, 2 * ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("subset", [None, [0, 2, 3, 5, 6]])
+def test_the_three_expert_paths_agree(subset):
+    """The sync-free paths of small batches (gathered pair weights, every local expert) give
+    the grouped path's output, with all experts local and with a subset held (EP)."""
+    h, i, n_exp = 8, 6, 7
+    experts = RoutedExperts(n_exp, h, i, expert_ids=subset)
+    with torch.no_grad():
+        experts.w13_weight.normal_(generator=G)
+        experts.w2_weight.normal_(generator=G)
+    x = torch.randn(3, h, generator=G)
+    ids = torch.tensor([[1, 3], [6, 0], [2, 5]])
+    weights = torch.rand(3, 2, generator=G)
+    with torch.no_grad():
+        grouped = experts(x, weights, ids, path="grouped")
+        paths = ["all"] + (["pairs"] if subset is None else [])
+        for path in paths:
+            assert torch.allclose(experts(x, weights, ids, path=path), grouped, atol=1e-5), path
+    assert experts.path(1, 2) == ("pairs" if subset is None else "all")
+    assert RoutedExperts(64, h, i).path(3, 2) == "pairs" and RoutedExperts(64, h, i).path(40, 2) == "grouped"

@@ -2,10 +2,12 @@
 checkpoints (q_lora on/off, YaRN on/off, noaux_tc / greedy / group_limited_greedy routing,
 interleaved and plain rope)."""
 
+import pytest
 import torch
 
 from matrixinfer import LLM, SamplingParams
 from matrixinfer.model.loader import load_model
+from tests.hf_fixtures import make_checkpoint
 from tests.paged import PagedSequence
 
 
@@ -53,10 +55,11 @@ def test_absorbed_and_unabsorbed_attention_agree(hf_checkpoint):
     assert rel_err(absorbed, full) < 1e-5
 
 
-def test_greedy_generation_token_identical(hf_checkpoint):
+def test_greedy_generation_token_identical(hf_checkpoint, enforce_eager=True):
     """Engine greedy output (chunked prefill, small blocks, batch of 4) equals HF generate for 32 tokens."""
     path, hf = hf_checkpoint
-    llm = LLM(model=path, dtype="float32", block_size=4, max_num_batched_tokens=24)
+    llm = LLM(model=path, dtype="float32", block_size=4, max_num_batched_tokens=24, enforce_eager=enforce_eager,
+              max_num_seqs=4)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(2, llm.engine.model_config.vocab_size, (n,), generator=g).tolist() for n in (5, 17, 9, 30)]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
@@ -65,3 +68,16 @@ def test_greedy_generation_token_identical(hf_checkpoint):
         ref = hf.generate(torch.tensor([p]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
                            eos_token_id=None)[0, len(p):]
         assert o.outputs[0].token_ids == ref.tolist()
+    compiled = llm.engine.worker.runner.compiled_decode
+    assert (compiled is None) == enforce_eager
+    if compiled is not None:
+        assert compiled.steps > 20  # the 32-token decodes went through it (after the warm-up calls)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["v3-noqlora", "v2-greedy"])
+def test_greedy_generation_token_identical_with_the_compiled_decode_step(tmp_path, variant):
+    """The same check with decode steps through the torch.compile'd forward (the default of
+    `serve`): batches of decode tokens compiled, steps with prefill chunks eager. Two variants:
+    compiling costs tens of seconds per engine on two cores."""
+    test_greedy_generation_token_identical((tmp_path, make_checkpoint(tmp_path, variant)), enforce_eager=False)

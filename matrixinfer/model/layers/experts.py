@@ -62,12 +62,39 @@ class RoutedExperts(nn.Module):
             self.local_index = self.local_index.to(ids.device)
         return torch.where(ids >= 0, self.local_index[ids.clamp_min(0)], -1)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def path(self, num_tokens: int, top_k: int) -> str:
+        """How a batch runs, chosen from shapes alone (so a compiled decode step has no graph
+        break): "pairs" gathers each pair's expert weights when that reads fewer weights than
+        running every local expert; "all" runs every local expert on every token when that
+        costs at most 4x the routed work; "grouped" groups pairs by expert (one host sync on
+        the counts, the path of large batches)."""
+        n_local = len(self.expert_ids)
+        if not self.is_subset and 2 * num_tokens * top_k <= n_local:
+            return "pairs"
+        return "all" if n_local <= 4 * top_k else "grouped"
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, path: str | None = None) -> torch.Tensor:
         """x [N, H], routing weights/ids [N, top_k] -> this rank's partial sum [N, H] of the
         weighted outputs of the local experts (pairs routed elsewhere contribute nothing)."""
-        k = ids.shape[1]
+        n, k = ids.shape
         if self.local_index.device != ids.device:
             self.local_index = self.local_index.to(ids.device)
+        path = path or self.path(n, k)
+        if path == "pairs":
+            y = self.quant_method.apply_pairs(self, x, self.local_index[ids])
+            if y is not None:
+                return torch.einsum("nk,nkh->nh", weights.to(x.dtype), y)
+        elif path == "all":
+            y = self.quant_method.apply_all(self, x)
+            if y is not None:
+                n_local, local = len(self.expert_ids), self.local_index[ids]
+                combine = weights.new_zeros(n, n_local + 1)  # column n_local collects pairs held elsewhere
+                combine.scatter_add_(1, torch.where(local >= 0, local, n_local), weights)
+                return torch.einsum("ne,enh->nh", combine[:, :n_local].to(x.dtype), y)
+        return self._grouped(x, weights, ids)
+
+    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        k = ids.shape[1]
         local = self.local_index[ids.flatten()]
         pair = torch.nonzero(local >= 0).flatten() if self.is_subset else torch.arange(local.numel(), device=x.device)
         local = local[pair]

@@ -65,6 +65,16 @@ class ExpertsMethodBase:
         expert of each row; counts [E]: rows per expert. Returns the SwiGLU outputs [P, H]."""
         raise NotImplementedError
 
+    def apply_all(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """x [N, H] -> [E, N, H]: every local expert's SwiGLU output for every token, with no
+        host sync (the dense path of small batches; None: this method has none)."""
+        return None
+
+    def apply_pairs(self, layer: nn.Module, x: torch.Tensor, local: torch.Tensor) -> torch.Tensor | None:
+        """x [N, H], local [N, k] (a local expert per pair, all valid) -> [N, k, H]: each pair's
+        output from its expert's weights gathered per pair, with no host sync (None: no such path)."""
+        return None
+
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         pass
 
@@ -79,6 +89,17 @@ class UnquantizedExpertsMethod(ExpertsMethodBase):
         set_weight_attrs(w2, output_dim=1, input_dim=2, weight_loader=weight_loader)
         layer.register_parameter("w13_weight", w13)
         layer.register_parameter("w2_weight", w2)
+
+    def apply_all(self, layer, x):
+        gate, up = torch.matmul(x, layer.w13_weight.transpose(1, 2)).chunk(2, dim=-1)  # [E, N, I] each
+        return torch.bmm(F.silu(gate) * up, layer.w2_weight.transpose(1, 2))
+
+    def apply_pairs(self, layer, x, local):
+        k = local.shape[1]
+        w13, w2 = layer.w13_weight[local.flatten()], layer.w2_weight[local.flatten()]  # [N*k, ...]
+        xs = x.repeat_interleave(k, dim=0)[:, :, None]  # [N*k, H, 1]
+        gate, up = torch.bmm(w13, xs).chunk(2, dim=1)
+        return torch.bmm(w2, F.silu(gate) * up).view(x.shape[0], k, -1)
 
     def apply(self, layer, xs, local, counts):
         """All experts at once: rows padded to [E, max count, H] and two batched matmuls.
