@@ -298,33 +298,13 @@ class EngineConfig:
     def validate(self) -> None:
         if self.parallel.world_size < 1 or self.parallel.tensor_parallel_size < 1:
             raise ValueError("parallel sizes must be >= 1")
-        if self.parallel.expert_parallel_size < 1:
+        par = self.parallel
+        if par.expert_parallel_size < 1:
             raise ValueError("parallel sizes must be >= 1")
-        if self.parallel.data_parallel_size != 1:
+        if par.data_parallel_size != 1:
             raise ValueError("data_parallel_size > 1 is not built (attention runs data parallel inside an "
                              "expert-parallel group: use expert_parallel_size)")
-        if self.parallel.dispatch_dtype not in ("auto", "int8", "bfloat16", "float32"):
-            raise ValueError(f"unknown dispatch_dtype {self.parallel.dispatch_dtype!r} (auto, int8, bfloat16, float32)")
-        if min(self.parallel.num_redundant_experts, self.parallel.eplb_interval) < 0 or self.parallel.eplb_window < 1:
-            raise ValueError("num_redundant_experts and eplb_interval must be >= 0, eplb_window >= 1")
-        if self.parallel.expert_parallel_size == 1 and (self.parallel.num_redundant_experts or self.parallel.eplb_interval
-                                                        or self.parallel.microbatches != 1):
-            raise ValueError("redundant experts / EPLB / microbatches need expert_parallel_size > 1")
-        if self.parallel.shared_expert_placement not in ("replicated", "dedicated"):
-            raise ValueError(f"shared_expert_placement {self.parallel.shared_expert_placement!r}: replicated or dedicated")
-        if self.parallel.shared_expert_placement == "dedicated":
-            if not 1 <= self.parallel.shared_expert_ranks < self.parallel.expert_parallel_size:
-                raise ValueError("dedicated shared experts need 1 <= shared_expert_ranks < expert_parallel_size")
-            if self.parallel.num_redundant_experts or self.parallel.eplb_interval:
-                raise ValueError("EPLB with dedicated shared-expert ranks is not built yet")
-        if self.parallel.microbatches not in (1, 2):
-            raise ValueError(f"microbatches {self.parallel.microbatches}: 1 or 2")
-        if self.parallel.expert_parallel_size > 1:
-            if self.cache.enable_prefix_caching:
-                raise ValueError("prefix caching with expert_parallel_size > 1 is not supported: each rank holds the "
-                                 "KV of its own requests, so a cached block is on one rank only")
-            if self.speculative.method is not None:
-                raise ValueError("speculative decoding with expert_parallel_size > 1 is not built yet")
+        self._validate_expert_parallel(par)
         if self.parallel.executor not in ("auto", "uni", "mp"):
             raise ValueError(f"unknown executor {self.parallel.executor!r} (auto, uni, mp)")
         if self.parallel.executor == "uni" and self.parallel.world_size > 1:
@@ -340,6 +320,30 @@ class EngineConfig:
         if self.quantization.method not in (None, "w8a8", "compressed-tensors"):
             raise ValueError(f"unknown quantization {self.quantization.method!r} (w8a8, compressed-tensors); a "
                              "quantized checkpoint is detected from its config.json")
+
+    def _validate_expert_parallel(self, par: ParallelConfig) -> None:
+        if par.dispatch_dtype not in ("auto", "int8", "bfloat16", "float32"):
+            raise ValueError(f"unknown dispatch_dtype {par.dispatch_dtype!r} (auto, int8, bfloat16, float32)")
+        if min(par.num_redundant_experts, par.eplb_interval) < 0 or par.eplb_window < 1:
+            raise ValueError("num_redundant_experts and eplb_interval must be >= 0, eplb_window >= 1")
+        if par.microbatches not in (1, 2):
+            raise ValueError(f"microbatches {par.microbatches}: 1 or 2")
+        if par.shared_expert_placement not in ("replicated", "dedicated"):
+            raise ValueError(f"shared_expert_placement {par.shared_expert_placement!r}: replicated or dedicated")
+        if par.expert_parallel_size == 1:
+            if par.num_redundant_experts or par.eplb_interval or par.microbatches != 1:
+                raise ValueError("redundant experts / EPLB / microbatches need expert_parallel_size > 1")
+            return
+        if par.shared_expert_placement == "dedicated":
+            if not 1 <= par.shared_expert_ranks < par.expert_parallel_size:
+                raise ValueError("dedicated shared experts need 1 <= shared_expert_ranks < expert_parallel_size")
+            if par.num_redundant_experts or par.eplb_interval:
+                raise ValueError("EPLB with dedicated shared-expert ranks is not built yet")
+        if self.cache.enable_prefix_caching:
+            raise ValueError("prefix caching with expert_parallel_size > 1 is not supported: each rank holds the "
+                             "KV of its own requests, so a cached block is on one rank only")
+        if self.speculative.method is not None:
+            raise ValueError("speculative decoding with expert_parallel_size > 1 is not built yet")
 
     @staticmethod
     def add_cli_args(p) -> None:

@@ -6,7 +6,8 @@
    latency of each exchange (median over calls, ranks aligned by a barrier before each).
 2. EPLB: tokens per rank, max / mean, before (contiguous partition) and after (R redundant
    experts placed by parallel/eplb.py) on the bundled model's own routing of Python source
-   (2048 tokens of the standard library's textwrap and argparse), per MoE layer, and on a Zipf-skewed synthetic router at DeepSeek scale.
+   (2048 tokens of the standard library's textwrap and argparse), per MoE layer, and on a
+   Zipf-skewed synthetic router at DeepSeek scale.
 3. Decode: the engine's decode step at EP 1 and EP 2 (INT8 and BF16 dispatch), same requests.
 4. The simulator's projection of the same configuration to EP320 on CloudMatrix384.
 """
@@ -244,7 +245,8 @@ def main(args) -> int:
     torch.set_num_threads(1)
     comm = comm_rows(args.model, args.ep, args.tokens, args.iters)
     comm_table = markdown_table(
-        ["EP", "dispatch", "tokens/rank", "row B", "ranks/token", "B/token", "wire B/rank", "dispatch us", "combine us"],
+        ["EP", "dispatch", "tokens/rank", "row B", "ranks/token", "B/token", "wire B/rank", "dispatch us",
+         "combine us"],
         [[r.ep, r.dtype, r.tokens_per_rank, r.row_bytes, r.dests_per_token, r.bytes_per_token, r.wire_bytes_per_rank,
           r.dispatch_us, r.combine_us] for r in comm])
     int8 = next(r for r in comm if r.dtype == "int8")
@@ -265,10 +267,10 @@ def main(args) -> int:
     random.Random(0).shuffle(zipf)  # popularity is not sorted by expert id
     synthetic = eplb_rows(zipf, 32, [0, 32, 64])
     eplb_table = markdown_table(["router", "MoE layer", "EP", "redundant", "max/mean before", "max/mean after"],
-                                [["bundled model, textwrap.py + argparse.py", r["layer"], r["ep"], r["redundant"], r["before"],
-                                  r["after"]] for r in real]
-                                + [[f"Zipf s={args.zipf}, 256 experts (shuffled)", "-", r["ep"], r["redundant"], r["before"],
-                                    r["after"]] for r in synthetic])
+                                [["bundled model, textwrap.py + argparse.py", r["layer"], r["ep"], r["redundant"],
+                                  r["before"], r["after"]] for r in real]
+                                + [[f"Zipf s={args.zipf}, 256 experts (shuffled)", "-", r["ep"], r["redundant"],
+                                    r["before"], r["after"]] for r in synthetic])
     print(eplb_table, "\n")
 
     overlap = [row for ep in args.ep for row in overlap_rows(args.model, ep, 4, 16, args.iters)]

@@ -103,6 +103,7 @@ class DataParallelRunner(ModelRunner):
             used[o] += n
         return torch.cat(rows)
 
+
 def run_microbatches(parts: list, caps: list[int], dispatcher: EPDispatcher) -> list[torch.Tensor]:
     """parts: (stages generator, ForwardContext or None) per microbatch; caps: the most tokens
     any rank has in each. Run the stages in turn: while one microbatch's exchange is in flight

@@ -34,8 +34,9 @@ def _check_identical(path, ep: int, tp: int = 1, **eplb) -> None:
     with LLM(model=path, expert_parallel_size=ep, tensor_parallel_size=tp, dispatch_dtype="float32", **KW,
              **eplb) as llm:
         assert len(ranks.children() - before) == ep * tp
-        assert ranks.tokens(llm, prompts, GREEDY) == ranks.tokens(single, prompts, GREEDY)  # chunked prefill, mixed steps
-        assert ranks.tokens(llm, prompts[:1], GREEDY) == ranks.tokens(single, prompts[:1], GREEDY)  # the other ranks idle: dummy steps
+        # chunked prefill, mixed steps; then one request: the other ranks step with dummy batches
+        assert ranks.tokens(llm, prompts, GREEDY) == ranks.tokens(single, prompts, GREEDY)
+        assert ranks.tokens(llm, prompts[:1], GREEDY) == ranks.tokens(single, prompts[:1], GREEDY)
     assert not (ranks.children() - before)
 
 
