@@ -3,6 +3,7 @@ the model runner and the worker half of the KV connector."""
 
 from __future__ import annotations
 
+import logging
 import os
 from datetime import timedelta
 
@@ -14,6 +15,8 @@ from matrixinfer.kv_connector import make_worker_connector
 from matrixinfer.model.loader import load_model
 from matrixinfer.worker.compiled_decode import CompiledDecode
 from matrixinfer.worker.model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
 
 
 def num_kv_blocks(config: EngineConfig, model, max_model_len: int) -> int:
@@ -59,6 +62,9 @@ class Worker:
         self.runner = ModelRunner(self.model, self.num_blocks, config.cache.block_size, self.device, compiled)
         if compiled is not None:  # compile now (the cache exists), not on the first request
             compiled.warm_up(config.scheduler.max_num_seqs, self.device)
+        log.info("rank %d: %d intra-op threads, CPU kernels %s, decode step %s", rank, torch.get_num_threads(),
+                 torch.backends.cpu.get_cpu_capability(),
+                 "eager" if compiled is None else f"compiled in {compiled.compile_s:.1f} s")
         self.connector = make_worker_connector(config.kv_transfer, rank)
         if self.connector is not None:
             self.connector.register_kv_cache(self.runner.kv_cache)
