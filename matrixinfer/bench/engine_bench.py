@@ -1,10 +1,11 @@
-"""`matrixinfer bench engine`: our engine vs transformers' batched `generate`, same
-checkpoint, dtype, threads and requests, in one process run.
+"""`matrixinfer bench engine`: our engine (compiled decode step, the default) vs our own eager
+mode vs transformers' batched `generate`, same checkpoint, dtype, threads and requests, in one
+process run.
 
-Reports output tokens/s of each and their ratio, the decode step time of each, and the
+Reports output tokens/s of each and the ratios, the decode step time of each, and the
 step-time floor: bytes a decode step must move (active weights + latent KV read) over the
-memory bandwidth measured on this machine. A torch.profiler table says where our decode
-step's time goes.
+memory bandwidth measured on this machine. torch.profiler tables say where a decode step's
+time goes, eager and compiled, and the header names the CPU kernel path that ran.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm import tqdm
 
+from matrixinfer.bench.ops_bench import cpu_info
 from matrixinfer.bench.report import markdown_table, save_json, write_section
 
 
@@ -28,10 +30,14 @@ class EngineBenchResult:
     input_len: int
     output_len: int
     matrixinfer_tokens_per_s: float
+    eager_tokens_per_s: float
     transformers_tokens_per_s: float
-    ratio: float
+    ratio: float  # compiled matrixinfer / transformers
+    compiled_over_eager: float
     matrixinfer_decode_step_ms: float
+    eager_decode_step_ms: float
     transformers_decode_step_ms: float
+    compile_s: float  # the decode step's compile at engine start (inductor's disk cache makes repeats cheap)
     floor_decode_step_ms: float
     bytes_per_decode_step: int
     memory_bandwidth_gb_s: float
@@ -41,6 +47,8 @@ class EngineBenchResult:
     matrixinfer_seconds: float
     transformers_seconds: float
     profile_top_ops: list
+    eager_profile_top_ops: list
+    cpu: dict
 
 
 def measure_bandwidth(n_bytes: int = 256 * 2**20, repeats: int = 5) -> float:
@@ -108,11 +116,11 @@ def _requests(n: int, input_len: int, vocab: int, seed: int = 0) -> list[list[in
     return [torch.randint(10, vocab, (input_len,), generator=g).tolist() for _ in range(n)]
 
 
-def run_matrixinfer(model_dir, dtype, prompts, output_len, profile: bool):
+def run_matrixinfer(model_dir, dtype, prompts, output_len, profile: bool, enforce_eager: bool = False):
     from matrixinfer import LLM, SamplingParams
 
     llm = LLM(model=model_dir, dtype=dtype, max_num_seqs=max(64, len(prompts)),
-              max_num_batched_tokens=max(2048, len(prompts[0]) * 4))
+              max_num_batched_tokens=max(2048, len(prompts[0]) * 4), enforce_eager=enforce_eager)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompts[0][:16]}], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     engine = llm.engine
@@ -120,7 +128,8 @@ def run_matrixinfer(model_dir, dtype, prompts, output_len, profile: bool):
         engine.add_request(f"bench-{i}", {"prompt_token_ids": p}, params)
     decode_times, top_ops = [], []
     start = time.perf_counter()
-    with tqdm(total=len(prompts) * output_len, desc="matrixinfer", unit="tok") as bar:
+    desc = "matrixinfer eager" if enforce_eager else "matrixinfer"
+    with tqdm(total=len(prompts) * output_len, desc=desc, unit="tok") as bar:
         while engine.has_unfinished_requests():
             running = len(engine.scheduler.running)
             all_decode = not engine.scheduler.waiting and all(s.num_uncomputed == 1 for s in engine.scheduler.running)
@@ -202,12 +211,18 @@ def run(model_dir: str, requests: int, input_len: int, output_len: int, dtype: s
 
     cfg = ModelConfig.from_pretrained(model_dir)
     prompts = _requests(requests, input_len, cfg.vocab_size)
-    ours, hf = [], []
+    ours, eager, hf, compile_s = [], [], [], []
     for i in range(repeats):
-        llm, s, step, top_ops = run_matrixinfer(model_dir, dtype, prompts, output_len, profile and i == repeats - 1)
+        last = profile and i == repeats - 1
+        llm, s, step, top_ops = run_matrixinfer(model_dir, dtype, prompts, output_len, last)
+        compile_s.append(llm.engine.worker.runner.compiled_decode.compile_s)
         ours.append((s, step))
+        llm.shutdown()
+        llm, s, step, eager_ops = run_matrixinfer(model_dir, dtype, prompts, output_len, last, enforce_eager=True)
+        eager.append((s, step))
         hf.append(run_transformers(model_dir, dtype, prompts, output_len))
     ours_s, ours_step = _median([o[0] for o in ours]), _median([o[1] for o in ours])
+    eager_s, eager_step = _median([o[0] for o in eager]), _median([o[1] for o in eager])
     hf_s, hf_step = _median([h[0] for h in hf]), _median([h[1] for h in hf])
     n_out = requests * output_len
     bw = measure_bandwidth()
@@ -217,33 +232,45 @@ def run(model_dir: str, requests: int, input_len: int, output_len: int, dtype: s
     step_flops = decode_step_flops(llm.engine.model, requests, ctx)
     return EngineBenchResult(
         model=_display_path(model_dir), dtype=dtype, threads=threads, requests=requests, input_len=input_len,
-        output_len=output_len, matrixinfer_tokens_per_s=n_out / ours_s, transformers_tokens_per_s=n_out / hf_s,
-        ratio=hf_s / ours_s, matrixinfer_decode_step_ms=ours_step * 1e3, transformers_decode_step_ms=hf_step * 1e3,
+        output_len=output_len, matrixinfer_tokens_per_s=n_out / ours_s, eager_tokens_per_s=n_out / eager_s,
+        transformers_tokens_per_s=n_out / hf_s, ratio=hf_s / ours_s, compiled_over_eager=eager_s / ours_s,
+        matrixinfer_decode_step_ms=ours_step * 1e3, eager_decode_step_ms=eager_step * 1e3,
+        transformers_decode_step_ms=hf_step * 1e3, compile_s=_median(compile_s),
         floor_decode_step_ms=max(step_bytes / bw, step_flops / peak) * 1e3, bytes_per_decode_step=step_bytes,
         memory_bandwidth_gb_s=bw / 1e9, flops_per_decode_step=step_flops, matmul_gflops=peak / 1e9, repeats=repeats, matrixinfer_seconds=ours_s, transformers_seconds=hf_s,
-        profile_top_ops=top_ops,
+        profile_top_ops=top_ops, eager_profile_top_ops=eager_ops, cpu=cpu_info(),
     )
 
 
 def report(results: list[EngineBenchResult]) -> None:
     rows = [[r.requests, r.input_len, r.output_len, r.dtype, r.threads, r.matrixinfer_tokens_per_s,
-             r.transformers_tokens_per_s, f"{r.ratio:.2f}x", r.matrixinfer_decode_step_ms,
-             r.transformers_decode_step_ms, r.floor_decode_step_ms] for r in results]
-    table = markdown_table(["requests", "input", "output", "dtype", "threads", "matrixinfer tok/s",
-                            "transformers tok/s", "ratio", "our decode step ms", "HF decode step ms",
-                            "floor step ms"], rows)
+             r.eager_tokens_per_s, r.transformers_tokens_per_s, f"{r.compiled_over_eager:.2f}x", f"{r.ratio:.2f}x",
+             r.matrixinfer_decode_step_ms, r.eager_decode_step_ms, r.transformers_decode_step_ms,
+             r.floor_decode_step_ms, r.compile_s] for r in results]
+    table = markdown_table(["requests", "input", "output", "dtype", "threads", "matrixinfer tok/s", "eager tok/s",
+                            "transformers tok/s", "compiled / eager", "matrixinfer / HF", "our step ms",
+                            "eager step ms", "HF step ms", "floor step ms", "compile s"], rows)
     last = max((r for r in results if r.profile_top_ops), key=lambda r: r.requests, default=results[-1])
-    prof = markdown_table(["op", "% self CPU", "ms / step"], last.profile_top_ops) if last.profile_top_ops else ""
-    md = (f"## Engine: matrixinfer vs transformers `generate`\n\n"
-          f"`matrixinfer bench engine` on `{last.model}`; same checkpoint, dtype, threads and requests on both "
-          f"sides; greedy, `ignore_eos`, outputs of exactly `output` tokens; each side run {last.repeats} times, "
-          f"interleaved, medians shown. The floor of a decode step is the larger of the bytes it must read "
-          f"({last.bytes_per_decode_step / 1e6:.1f} MB at {last.requests} requests: active weights + latent KV) over "
-          f"the measured copy bandwidth ({last.memory_bandwidth_gb_s:.1f} GB/s) and the matmul FLOPs it must do "
-          f"({last.flops_per_decode_step / 1e9:.2f} GFLOP) over the measured dense matmul rate "
-          f"({last.matmul_gflops:.0f} GFLOP/s).\n\n{table}\n\n"
-          f"![engine](engine.png)\n\nWhere our decode step's time goes ({last.requests} requests, torch.profiler, "
-          f"self CPU time):\n\n{prof}\n")
+    small = min((r for r in results if r.profile_top_ops), key=lambda r: r.requests, default=results[-1])
+    cpu = last.cpu
+    profiles = ""
+    for r in dict.fromkeys([small, last]):
+        if r.profile_top_ops:
+            profiles += (f"\nWhere a decode step's time goes at {r.requests} request(s), eager and then compiled "
+                         f"(torch.profiler, self CPU time):\n\n"
+                         f"{markdown_table(['op (eager)', '% self CPU', 'ms / step'], r.eager_profile_top_ops)}\n\n"
+                         f"{markdown_table(['op (compiled)', '% self CPU', 'ms / step'], r.profile_top_ops)}\n")
+    md = (f"## Engine: matrixinfer vs its eager mode vs transformers `generate`\n\n"
+          f"`matrixinfer bench engine` on `{last.model}`; same checkpoint, dtype, threads and requests on every "
+          f"side; greedy, `ignore_eos`, outputs of exactly `output` tokens; each side run {last.repeats} times, "
+          f"interleaved, medians shown. matrixinfer runs its default, the compiled decode step "
+          f"(`worker/compiled_decode.py`); eager is the same engine with `--enforce-eager`. CPU: {cpu['cpu']}, "
+          f"torch kernel path `{cpu['torch_cpu_capability']}`, AMX: {', '.join(cpu['amx']) or 'none'}, "
+          f"AVX512-VNNI: {'yes' if cpu['avx512_vnni'] else 'no'}. The floor of a decode step is the larger of the "
+          f"bytes it must read ({last.bytes_per_decode_step / 1e6:.1f} MB at {last.requests} requests: active weights "
+          f"+ latent KV) over the measured copy bandwidth ({last.memory_bandwidth_gb_s:.1f} GB/s) and the matmul "
+          f"FLOPs it must do ({last.flops_per_decode_step / 1e9:.2f} GFLOP) over the measured dense matmul rate "
+          f"({last.matmul_gflops:.0f} GFLOP/s).\n\n{table}\n\n![engine](engine.png)\n{profiles}")
     write_section("engine", md)
     save_json("engine", {"results": [asdict(r) for r in results]})
     plot(results)
@@ -260,14 +287,17 @@ def plot(results: list[EngineBenchResult]) -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
     labels = [f"{r.requests} req\n{r.input_len}+{r.output_len}" for r in results]
     x = range(len(results))
-    a.bar([i - 0.2 for i in x], [r.matrixinfer_tokens_per_s for r in results], 0.4, label="matrixinfer")
-    a.bar([i + 0.2 for i in x], [r.transformers_tokens_per_s for r in results], 0.4, label="transformers")
+    a.bar([i - 0.27 for i in x], [r.matrixinfer_tokens_per_s for r in results], 0.27, label="matrixinfer")
+    a.bar(list(x), [r.eager_tokens_per_s for r in results], 0.27, label="matrixinfer eager")
+    a.bar([i + 0.27 for i in x], [r.transformers_tokens_per_s for r in results], 0.27, label="transformers")
     a.set_xticks(list(x), labels)
     a.set_ylabel("output tokens/s")
     a.legend()
-    b.bar([i - 0.27 for i in x], [r.matrixinfer_decode_step_ms for r in results], 0.27, label="matrixinfer")
-    b.bar(list(x), [r.transformers_decode_step_ms for r in results], 0.27, label="transformers")
-    b.bar([i + 0.27 for i in x], [r.floor_decode_step_ms for r in results], 0.27, label="floor (bytes or FLOPs)")
+    for j, (vals, label) in enumerate([([r.matrixinfer_decode_step_ms for r in results], "matrixinfer"),
+                                        ([r.eager_decode_step_ms for r in results], "matrixinfer eager"),
+                                        ([r.transformers_decode_step_ms for r in results], "transformers"),
+                                        ([r.floor_decode_step_ms for r in results], "floor (bytes or FLOPs)")]):
+        b.bar([i + (j - 1.5) * 0.2 for i in x], vals, 0.2, label=label)
     b.set_xticks(list(x), labels)
     b.set_ylabel("decode step (ms)")
     b.legend()
@@ -286,7 +316,8 @@ def main(args) -> int:
                                profile=not args.no_profile, repeats=args.repeats))
             r = results[-1]
             print(f"{n} requests, {input_len}+{output_len} tokens: matrixinfer {r.matrixinfer_tokens_per_s:.1f} "
-                  f"tok/s, transformers {r.transformers_tokens_per_s:.1f} tok/s, ratio {r.ratio:.2f}x", flush=True)
+                  f"tok/s (eager {r.eager_tokens_per_s:.1f}), transformers {r.transformers_tokens_per_s:.1f} tok/s, "
+                  f"compiled/eager {r.compiled_over_eager:.2f}x, vs HF {r.ratio:.2f}x", flush=True)
     if not args.no_write:
         report(results)
     if args.json:  # the headline: most requests at the first (default) shape

@@ -59,7 +59,9 @@ def start_pdc(base: EngineConfig, prefill_instances: int = 1, decode_instances: 
         ranks = (prefill_instances + decode_instances) * cfg.parallel.world_size
         cfg = replace(cfg, num_threads=max(1, (os.cpu_count() or 1) // ranks))
     try:
-        client = PDCClient([cfg] * prefill_instances, [cfg] * decode_instances, model_name, router, stop_cluster,
+        # prefill instances never run a decode step (they hand off after the first token): no compiling
+        prefill_cfg = replace(cfg, enforce_eager=True)
+        client = PDCClient([prefill_cfg] * prefill_instances, [cfg] * decode_instances, model_name, router, stop_cluster,
                            restart_instances, ray=ray_address is not None)
         client.ems_cluster = cluster  # None when it joined an existing pool
         return client

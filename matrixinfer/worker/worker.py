@@ -3,6 +3,7 @@ the model runner and the worker half of the KV connector."""
 
 from __future__ import annotations
 
+import logging
 import os
 from datetime import timedelta
 
@@ -14,6 +15,8 @@ from matrixinfer.kv_connector import make_worker_connector
 from matrixinfer.model.loader import load_model
 from matrixinfer.worker.compiled_decode import CompiledDecode
 from matrixinfer.worker.model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
 
 
 def num_kv_blocks(config: EngineConfig, model, max_model_len: int) -> int:
@@ -56,6 +59,10 @@ class Worker:
         self.max_model_len = max_model_len_of(config, self.model.config.max_position_embeddings)
         self.num_blocks = num_kv_blocks(config, self.model, self.max_model_len)
         self.runner = self._make_runner()
+        compiled = getattr(self.runner, "compiled_decode", None)
+        log.info("rank %d: %d intra-op threads, CPU kernels %s, decode step %s", rank, torch.get_num_threads(),
+                 torch.backends.cpu.get_cpu_capability(),
+                 "eager" if compiled is None else f"compiled in {compiled.compile_s:.1f} s")
         from matrixinfer.parallel import get_tp_rank
 
         self.connector = make_worker_connector(config.kv_transfer, get_tp_rank())

@@ -23,11 +23,14 @@ def test_generate_missing_model_is_a_clear_error(tmp_path):
 
 
 def test_bench_engine_json_last_line(text_checkpoint):
-    """The benchmark runs both engines on the same requests and ends with one JSON object."""
+    """The benchmark runs our engine compiled and eager and transformers on the same requests
+    and ends with one JSON object."""
     out = run_cli("bench", "engine", "--model", str(text_checkpoint[0]), "--requests", "2", "--input-len", "8",
                   "--output-len", "4", "--no-write", "--no-profile", "--threads", "1", "--repeats", "1", "--json")
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["matrixinfer_tokens_per_s"] > 0 and result["transformers_tokens_per_s"] > 0
+    assert result["eager_tokens_per_s"] > 0 and result["compile_s"] > 0
+    assert abs(result["compiled_over_eager"] - result["matrixinfer_tokens_per_s"] / result["eager_tokens_per_s"]) < 1e-6
     assert result["ratio"] == result["matrixinfer_tokens_per_s"] / result["transformers_tokens_per_s"] or \
         abs(result["ratio"] - result["matrixinfer_tokens_per_s"] / result["transformers_tokens_per_s"]) < 1e-6
