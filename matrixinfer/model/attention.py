@@ -118,16 +118,23 @@ class MLAttention(nn.Module):
         return out.transpose(-3, -2)
 
     def _attend_absorbed(self, q_nope, q_pe, latents, lens) -> torch.Tensor:
-        """q_*: [S, H, *] one query per sequence; latents: [S, T, rank + rope]; lens: [S]. Returns [S, H, v]."""
+        """q_*: [S, H, *] one query per sequence, or [S, Q, H, *] Q queries per sequence (speculative
+        verification); latents: [S, T, rank + rope]; lens: [S] (or [S, Q]) keys each query sees.
+        Returns [S, H, v] (or [S, Q, H, v])."""
+        one = q_nope.dim() == 3
+        if one:
+            q_nope, q_pe, lens = q_nope[:, None], q_pe[:, None], lens[:, None]
+        s, nq, h = q_nope.shape[:3]
         w_uk, w_uv = self._w_uk_uv()
-        q_lat = torch.einsum("shd,hdr->shr", q_nope, w_uk)
-        q = torch.cat([q_lat, q_pe], dim=-1)  # [S, H, rank + rope]
-        scores = torch.bmm(q, latents.transpose(1, 2)).float() * self.scale  # [S, H, T]
-        valid = torch.arange(latents.shape[1], device=q.device)[None, :] < lens[:, None]
-        scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
-        probs = scores.softmax(dim=-1).to(q.dtype)
-        o_lat = torch.bmm(probs, latents[..., : self.kv_lora_rank])  # [S, H, rank]
-        return torch.einsum("shr,hvr->shv", o_lat, w_uv)
+        q_lat = torch.einsum("sqhd,hdr->sqhr", q_nope, w_uk)
+        q = torch.cat([q_lat, q_pe], dim=-1).flatten(1, 2)  # [S, Q*H, rank + rope]
+        scores = torch.bmm(q, latents.transpose(1, 2)).float() * self.scale  # [S, Q*H, T]
+        valid = torch.arange(latents.shape[1], device=q.device)[None, None, :] < lens[:, :, None]  # [S, Q, T]
+        scores = scores.view(s, nq, h, -1).masked_fill(~valid[:, :, None, :], float("-inf"))
+        probs = scores.softmax(dim=-1).to(q.dtype).flatten(1, 2)
+        o_lat = torch.bmm(probs, latents[..., : self.kv_lora_rank]).view(s, nq, h, -1)  # [S, Q, H, rank]
+        out = torch.einsum("sqhr,hvr->sqhv", o_lat, w_uv)
+        return out[:, 0] if one else out
 
     # -- paged path -----------------------------------------------------------------------------
     def _forward_paged(self, ctx: ForwardContext, q_nope, q_pe, c_kv, k_pe) -> torch.Tensor:
@@ -141,8 +148,14 @@ class MLAttention(nn.Module):
             max_len = max(ctx.context_lens[:nd])
             n_blocks = -(-max_len // cache.shape[1])
             latents = cache[tables[:, :n_blocks]].flatten(1, 2)  # [S, n_blocks*block_size, D]
-            out[:nd] = self._attend_absorbed(q_nope[:nd], q_pe[:nd], latents, ctx.context_lens_tensor[:nd])
-        start = nd
+            if ctx.decode_query_len == 1:
+                out[:nd] = self._attend_absorbed(q_nope[:nd], q_pe[:nd], latents, ctx.context_lens_tensor[:nd])
+            else:  # k + 1 queries per sequence (speculative verification), causal among themselves
+                pad, nt = ctx.decode_pad_index, ctx.num_decode_tokens
+                o = self._attend_absorbed(q_nope[pad].unflatten(0, (nd, -1)), q_pe[pad].unflatten(0, (nd, -1)),
+                                          latents, ctx.decode_lens)
+                out[:nt] = o.flatten(0, 1)[ctx.decode_unpad_index]
+        start = ctx.num_decode_tokens
         for i in range(nd, len(ctx.query_lens)):
             q_len, ctx_len = ctx.query_lens[i], ctx.context_lens[i]
             n_blocks = -(-ctx_len // cache.shape[1])

@@ -54,7 +54,8 @@ class Worker:
                              "is not quantized (write one with `matrixinfer quantize --model DIR --out DIR`)")
         self.max_model_len = max_model_len_of(config, self.model.config.max_position_embeddings)
         self.num_blocks = num_kv_blocks(config, self.model, self.max_model_len)
-        self.runner = ModelRunner(self.model, self.num_blocks, config.cache.block_size, self.device)
+        self.runner = ModelRunner(self.model, self.num_blocks, config.cache.block_size, self.device,
+                                  config.speculative.num_draft_tokens)
         self.connector = make_worker_connector(config.kv_transfer, rank)
         if self.connector is not None:
             self.connector.register_kv_cache(self.runner.kv_cache)
