@@ -152,9 +152,10 @@ class MLAttention(nn.Module):
                 out[:nd] = self._attend_absorbed(q_nope[:nd], q_pe[:nd], latents, ctx.context_lens_tensor[:nd])
             else:  # k + 1 queries per sequence (speculative verification), causal among themselves
                 pad, nt = ctx.decode_pad_index, ctx.num_decode_tokens
-                o = self._attend_absorbed(q_nope[pad].unflatten(0, (nd, -1)), q_pe[pad].unflatten(0, (nd, -1)),
-                                          latents, ctx.decode_lens)
-                out[:nt] = o.flatten(0, 1)[ctx.decode_unpad_index]
+                qn, qp = (q_nope[:nt], q_pe[:nt]) if pad is None else (q_nope[pad], q_pe[pad])
+                o = self._attend_absorbed(qn.unflatten(0, (nd, -1)), qp.unflatten(0, (nd, -1)), latents,
+                                          ctx.decode_lens).flatten(0, 1)
+                out[:nt] = o if pad is None else o[ctx.decode_unpad_index]
         start = ctx.num_decode_tokens
         for i in range(nd, len(ctx.query_lens)):
             q_len, ctx_len = ctx.query_lens[i], ctx.context_lens[i]

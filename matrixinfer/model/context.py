@@ -27,7 +27,8 @@ class ForwardContext:
     # Speculative verification: decode sequences carry up to Q = decode_query_len queries each
     # (the last token and its drafts). The absorbed path pads them to [S, Q]: decode_pad_index
     # [S*Q] picks each padded query's token (padding repeats a real one), decode_unpad_index
-    # [decode tokens] each token's padded place, decode_lens [S, Q] the keys each query sees.
+    # [decode tokens] each token's padded place (both None when every row has Q tokens),
+    # decode_lens [S, Q] the keys each query sees.
     decode_query_len: int = 1
     decode_pad_index: torch.Tensor | None = None
     decode_unpad_index: torch.Tensor | None = None

@@ -80,14 +80,18 @@ class SpecBatch:
                 plain.append(off + n - 1)
             off += n
         kmax = max(num_rows, default=1)
-        req_rows = [[row_start[s] + min(j, num_rows[s] - 1) for j in range(kmax)] for s in range(len(num_rows))]
-        t = lambda x, dt=torch.long: torch.tensor(x, dtype=dt, device=device)  # noqa: E731
-        b = cls(t(rows), t(draft), t(pos), t(req), t(req_rows).view(len(num_rows), kmax), t(first), t(req_index),
-                t(shifted), all(p.greedy for p in params), row_start=tuple(row_start), num_rows=tuple(num_rows),
-                host_req_index=tuple(req_index), plain_rows=t(plain))
+        req_rows = [row_start[s] + min(j, num_rows[s] - 1) for s in range(len(num_rows)) for j in range(kmax)]
+        # one host-to-device copy for all the index lists
+        parts = [rows, draft, pos, req, req_rows, first, req_index, shifted, plain]
+        rows_, draft_, pos_, req_, req_rows_, first_, index_, shifted_, plain_ = torch.tensor(
+            [x for part in parts for x in part], dtype=torch.long, device=device).split([len(x) for x in parts])
+        t = lambda x, dt: torch.tensor(x, dtype=dt, device=device)  # noqa: E731
+        b = cls(rows_, draft_, pos_, req_, req_rows_.view(len(num_rows), kmax), first_, index_, shifted_,
+                all(p.greedy for p in params), row_start=tuple(row_start), num_rows=tuple(num_rows),
+                host_req_index=tuple(req_index), plain_rows=plain_)
         if not b.greedy_only:
             b.temperature = t([1.0 if p.greedy else p.temperature for p in params], torch.float)
-            b.top_k, b.top_p = t([p.top_k for p in params]), t([p.top_p for p in params], torch.float)
+            b.top_k, b.top_p = t([p.top_k for p in params], torch.long), t([p.top_p for p in params], torch.float)
             b.truncate = any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params)
             if any(p.min_p > 0 for p in params):
                 b.min_p = t([p.min_p for p in params], torch.float)
@@ -140,8 +144,9 @@ def add_decode_queries(ctx: ForwardContext, reqs: list[ScheduledRequest], device
         unpad += range(s * q, s * q + n)
         off += n
     t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
-    ctx.decode_query_len, ctx.decode_pad_index, ctx.decode_unpad_index = q, t(pad), t(unpad)
-    ctx.decode_lens = t(lens).view(len(dec), q)
+    ctx.decode_query_len, ctx.decode_lens = q, t(lens).view(len(dec), q)
+    if len(unpad) < len(pad):  # rows of different lengths: pad them
+        ctx.decode_pad_index, ctx.decode_unpad_index = t(pad), t(unpad)
 
 
 def draft_context(ctx: ForwardContext, b: SpecBatch, positions: torch.Tensor, reqs: list[ScheduledRequest],

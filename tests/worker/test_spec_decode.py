@@ -111,3 +111,34 @@ def test_a_speculative_step_reads_the_device_once(params):
         out = runner.execute_model(SchedulerOutput(decode, num_decode=2))
     assert counts["runner"] == 1
     assert all(1 <= len(t) <= 3 for t in out.new_token_ids) and [len(d) for d in out.draft_token_ids] == [2, 2]
+
+
+@pytest.mark.parametrize("lens", [(3, 1, 2), (2, 2)])
+def test_multi_query_decode_rows_match_prefill_chunks(lens):
+    """Decode rows carrying drafts (k + 1 queries each, of different lengths or equal) attend
+    causally through the absorbed path and give the hidden states of the same tokens computed
+    as prefill chunks (the unabsorbed path)."""
+    from matrixinfer.model.context import forward_context
+    from matrixinfer.worker.spec_decode import add_decode_queries
+
+    model = load_model(DEFAULT_MODEL, dtype="float32")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 4000, (5 + i,), generator=g).tolist() for i in range(len(lens))]
+    news = [torch.randint(3, 4000, (n,), generator=g).tolist() for n in lens]
+
+    def hidden(as_decode: bool):
+        runner = ModelRunner(model, num_blocks=16, block_size=4, device=torch.device("cpu"))
+        tables = [[4 * i + j for j in range(4)] for i in range(len(lens))]
+        runner.run([ScheduledRequest(f"r{i}", p, 0, t, False) for i, (p, t) in enumerate(zip(prompts, tables))], 0)
+        rows = [ScheduledRequest(f"r{i}", n, len(p), t, False, num_draft=len(n) - 1)
+                for i, (p, n, t) in enumerate(zip(prompts, news, tables))]
+        if not as_decode:
+            return runner.run(rows, 0)
+        ids, pos, ctx = runner.prepare(rows, len(rows))
+        add_decode_queries(ctx, rows, torch.device("cpu"))
+        assert ctx.decode_query_len == max(lens)
+        with forward_context(ctx):
+            return model(ids, pos)
+
+    with torch.inference_mode():
+        assert torch.allclose(hidden(True), hidden(False), atol=1e-4)
