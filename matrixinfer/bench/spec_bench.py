@@ -3,7 +3,8 @@
 Prompts are windows of the model's held-out corpus files (code the bundled model did not train
 on), greedy, `ignore_eos`, exactly `output_len` tokens each. For each batch size (concurrent
 sequences) and each setting (no speculation, MTP with k drafts) the engine runs the requests
-`repeats` times, interleaved; medians shown. Decode tokens/s counts the tokens of the steps
+`repeats` times, interleaved; medians shown. At least 8 prompts run at every batch size (a
+closed loop: at batch 1 they run one after another), so that acceptance is not one prompt's. Decode tokens/s counts the tokens of the steps
 in which every sequence decodes (prefill excluded); TPOT is per request, (last token time -
 first token time) / (tokens - 1), averaged. Acceptance rate = accepted / drafted tokens;
 tokens per step = 1 + accepted drafts per verification step (vLLM's mean acceptance length).
@@ -47,12 +48,19 @@ def corpus_prompts(tokenizer, n: int, input_len: int) -> list[list[int]]:
     return out
 
 
-def run_once(llm, prompts: list[list[int]], output_len: int):
-    """-> (token ids per prompt, decode tokens/s, mean TPOT s, seconds, stats delta) of one pass."""
+def run_once(llm, prompts: list[list[int]], output_len: int, concurrency: int):
+    """Closed loop: `concurrency` sequences at a time, the next prompt joining as one finishes.
+    -> (token ids per prompt, decode tokens/s, mean TPOT s, seconds, stats delta)."""
     engine = llm.engine
     before = engine.stats
-    for i, p in enumerate(prompts):
+    pending = list(enumerate(prompts))[::-1]
+
+    def admit():
+        i, p = pending.pop()
         engine.add_request(f"spec-{i}", {"prompt_token_ids": p}, _greedy(output_len))
+
+    for _ in range(min(concurrency, len(prompts))):
+        admit()
     first, last, tokens, ids = {}, {}, {}, {}
     decode_s = decode_tokens = 0.0
     start = time.perf_counter()
@@ -68,6 +76,8 @@ def run_once(llm, prompts: list[list[int]], output_len: int):
             gained += n - tokens.get(o.request_id, 0)
             tokens[o.request_id] = n
             ids[o.request_id] = o.outputs[0].token_ids
+            if o.finished and pending:
+                admit()
             first.setdefault(o.request_id, now)
             last[o.request_id] = now
         if all_decode:
@@ -85,23 +95,23 @@ def run_once(llm, prompts: list[list[int]], output_len: int):
 
 
 def run(model: str, batches: list[int], ks: list[int], input_len: int, output_len: int, dtype: str,
-        repeats: int) -> list[SpecBenchPoint]:
+        repeats: int, min_prompts: int = 8) -> list[SpecBenchPoint]:
     from matrixinfer import LLM
 
     llms = {k: LLM(model=model, dtype=dtype, max_num_seqs=max(batches),
                    **({"speculative_config": {"method": "mtp", "num_speculative_tokens": k}} if k else {}))
             for k in [0, *ks]}
-    prompts_all = corpus_prompts(llms[0].get_tokenizer(), max(batches), input_len)
+    prompts_all = corpus_prompts(llms[0].get_tokenizer(), max(*batches, min_prompts), input_len)
     for llm in llms.values():  # warm up
         llm.generate([{"prompt_token_ids": prompts_all[0]}], _greedy(4), use_tqdm=False)
     points = []
     for batch in batches:
-        prompts = prompts_all[:batch]
+        prompts = prompts_all[:max(batch, min_prompts)]
         runs: dict[int, list] = {k: [] for k in llms}
         outputs: dict[int, list] = {}
         for _ in range(repeats):
             for k, llm in llms.items():
-                outputs[k], tok_s, tpot, elapsed, delta = run_once(llm, prompts, output_len)
+                outputs[k], tok_s, tpot, elapsed, delta = run_once(llm, prompts, output_len, batch)
                 runs[k].append((tok_s, tpot, elapsed, delta))
         for k, rs in runs.items():
             med = sorted(rs, key=lambda r: r[0])[len(rs) // 2]
@@ -135,7 +145,8 @@ def report(points: list[SpecBenchPoint], model: str, input_len: int, output_len:
                             "TPOT ms", "greedy output identical"], rows)
     md = (f"## Speculative decoding: MTP drafts vs none\n\n"
           f"`matrixinfer bench spec` on `{model}`: {input_len}-token windows of the held-out corpus files, "
-          f"{output_len} greedy tokens each, {threads} thread(s), each setting run {repeats} times, interleaved, "
+          f"{output_len} greedy tokens each (at least 8 prompts per point, in a closed loop of `sequences` "
+          f"concurrent ones), {threads} thread(s), each setting run {repeats} times, interleaved, "
           f"medians shown. Decode tok/s counts only steps in which every sequence decodes.\n\n{table}\n\n"
           f"![spec](spec.png)\n")
     write_section("spec", md)
