@@ -157,3 +157,30 @@ def test_rejected_drafts_roll_back_and_block_names_cover_accepted_tokens_only():
     assert req.num_computed_tokens == 8
     assert [kv.blocks[b].token_ids for b in req.block_table[:2]] == [[1, 2, 3, 7], [8, 5, 6, 6]]
     assert kv.blocks[req.block_table[2]].hash is None
+
+
+def test_kv_connector_saves_only_blocks_of_accepted_tokens():
+    """The EMS connector saves the blocks a step completes: drafts do not count until accepted,
+    and a block the accepted drafts completed is saved on the next step."""
+    from matrixinfer.config import KVTransferConfig, SchedulerConfig
+    from matrixinfer.engine.kv_cache_manager import KVCacheManager
+    from matrixinfer.engine.request import Request
+    from matrixinfer.engine.scheduler import ModelRunnerOutput, Scheduler
+    from matrixinfer.kv_connector.ems_connector import EMSConnectorScheduler
+
+    class NoPool:
+        def exists(self, keys):
+            return [False] * len(keys)
+
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    sched = Scheduler(SchedulerConfig(), kv, 64, EMSConnectorScheduler(KVTransferConfig(), kv, NoPool()), 2)
+    req = Request("r", [1, 2, 3], SamplingParams(temperature=0, max_tokens=20))
+    sched.add_request(req)
+    saved = []
+    for new, drafts in [([7], [8, 9]), ([8, 9, 5], [6, 6]), ([6, 4], [1, 1]), ([1], [])]:
+        step = sched.schedule()
+        saved.append([b for b, _ in step.kv_connector_metadata.saves])
+        sched.update_from_output(step, ModelRunnerOutput(["r"], new[:1], new_token_ids=[new], draft_token_ids=[drafts]))
+    # step 2 completes block 0 with its first (known) token; step 3's drafts would complete block 1
+    # but only one was accepted (positions 4..7 = 8, 9, 5, 6 are KV after it); step 4 saves block 1
+    assert saved == [[], [req.block_table[0]], [], [req.block_table[1]]]
