@@ -85,8 +85,10 @@ def test_prefix_cache_hit_and_preemption_keep_greedy_output(bundled_greedy):
               max_num_batched_tokens=16, speculative_config=mtp(2))
     assert token_ids(llm, CODE) == bundled_greedy
     assert llm.engine.stats.num_preemptions > 0
-    again = llm.generate(CODE[0], GREEDY, use_tqdm=False)[0]
-    assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == bundled_greedy[0]
+    llm = LLM(model=DEFAULT_MODEL, dtype="float32", block_size=4, speculative_config=mtp(2))
+    first, again = (llm.generate(CODE[2], GREEDY, use_tqdm=False)[0] for _ in range(2))
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens > 0
+    assert first.outputs[0].token_ids == again.outputs[0].token_ids == bundled_greedy[2]
 
 
 def test_stop_ids_and_max_tokens_cut_inside_an_accepted_run(bundled_greedy):
