@@ -27,6 +27,7 @@ class SpecBenchPoint:
     batch: int
     k: int  # drafts per step (0: no speculation)
     decode_tokens_per_s: float
+    decode_tokens_per_cpu_s: float  # the same tokens over this process's CPU time (other load on the machine excluded)
     tpot_ms: float
     acceptance_rate: float
     tokens_per_step: float
@@ -50,7 +51,7 @@ def corpus_prompts(tokenizer, n: int, input_len: int) -> list[list[int]]:
 
 def run_once(llm, prompts: list[list[int]], output_len: int, concurrency: int):
     """Closed loop: `concurrency` sequences at a time, the next prompt joining as one finishes.
-    -> (token ids per prompt, decode tokens/s, mean TPOT s, seconds, stats delta)."""
+    -> (token ids per prompt, (decode tokens per s, per CPU s), mean TPOT s, seconds, stats delta)."""
     engine = llm.engine
     before = engine.stats
     pending = list(enumerate(prompts))[::-1]
@@ -62,14 +63,14 @@ def run_once(llm, prompts: list[list[int]], output_len: int, concurrency: int):
     for _ in range(min(concurrency, len(prompts))):
         admit()
     first, last, tokens, ids = {}, {}, {}, {}
-    decode_s = decode_tokens = 0.0
+    decode_s = decode_cpu_s = decode_tokens = 0.0
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         sched = engine.scheduler
         all_decode = not sched.waiting and all(r.num_uncomputed == 1 for r in sched.running)
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         outs = engine.step()
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.process_time()
         gained = 0
         for o in outs:
             n = len(o.outputs[0].token_ids)
@@ -82,6 +83,7 @@ def run_once(llm, prompts: list[list[int]], output_len: int, concurrency: int):
             last[o.request_id] = now
         if all_decode:
             decode_s += now - t
+            decode_cpu_s += cpu - c
             decode_tokens += gained
     elapsed = time.perf_counter() - start
     tpot = sum((last[r] - first[r]) / max(1, tokens[r] - 1) for r in tokens) / len(tokens)
@@ -91,7 +93,8 @@ def run_once(llm, prompts: list[list[int]], output_len: int, concurrency: int):
     per_pos = list(after.spec_accepted_per_pos)
     prev = list(before.spec_accepted_per_pos) + [0] * len(per_pos)
     delta["per_pos"] = [a - b for a, b in zip(per_pos, prev)]
-    return [ids[f"spec-{i}"] for i in range(len(prompts))], decode_tokens / decode_s if decode_s else float("nan"), tpot, elapsed, delta
+    rate = (decode_tokens / decode_s, decode_tokens / decode_cpu_s) if decode_s and decode_cpu_s else (float("nan"),) * 2
+    return [ids[f"spec-{i}"] for i in range(len(prompts))], rate, tpot, elapsed, delta
 
 
 def run(model: str, batches: list[int], ks: list[int], input_len: int, output_len: int, dtype: str,
@@ -114,16 +117,17 @@ def run(model: str, batches: list[int], ks: list[int], input_len: int, output_le
                 outputs[k], tok_s, tpot, elapsed, delta = run_once(llm, prompts, output_len, batch)
                 runs[k].append((tok_s, tpot, elapsed, delta))
         for k, rs in runs.items():
-            med = sorted(rs, key=lambda r: r[0])[len(rs) // 2]
+            med = sorted(rs, key=lambda r: r[0][0])[len(rs) // 2]
+            cpu_rate = sorted(r[0][1] for r in rs)[len(rs) // 2]
             d = med[3]
             drafts, draft_tokens = d["spec_num_drafts"], d["spec_num_draft_tokens"]
             points.append(SpecBenchPoint(
-                batch, k, med[0], med[1] * 1e3,
+                batch, k, med[0][0], cpu_rate, med[1] * 1e3,
                 d["spec_num_accepted_tokens"] / draft_tokens if draft_tokens else 0.0,
                 1 + d["spec_num_accepted_tokens"] / drafts if drafts else 1.0, d["per_pos"],
                 outputs[k] == outputs[0], med[2]))
             p = points[-1]
-            print(f"batch {batch} k={k}: decode {p.decode_tokens_per_s:.1f} tok/s, TPOT {p.tpot_ms:.2f} ms, "
+            print(f"batch {batch} k={k}: decode {p.decode_tokens_per_s:.1f} tok/s ({p.decode_tokens_per_cpu_s:.1f} per CPU s), TPOT {p.tpot_ms:.2f} ms, "
                   f"acceptance {p.acceptance_rate:.3f}, tokens/step {p.tokens_per_step:.2f}, "
                   f"identical {p.identical_to_no_spec}", flush=True)
     return points
@@ -139,15 +143,18 @@ def report(points: list[SpecBenchPoint], model: str, input_len: int, output_len:
            repeats: int) -> None:
     base = {p.batch: p for p in points if p.k == 0}
     rows = [[p.batch, p.k or "off", p.acceptance_rate if p.k else "-", p.tokens_per_step, p.decode_tokens_per_s,
-             f"{p.decode_tokens_per_s / base[p.batch].decode_tokens_per_s:.2f}x", p.tpot_ms,
+             f"{p.decode_tokens_per_s / base[p.batch].decode_tokens_per_s:.2f}x", p.decode_tokens_per_cpu_s,
+             f"{p.decode_tokens_per_cpu_s / base[p.batch].decode_tokens_per_cpu_s:.2f}x", p.tpot_ms,
              "yes" if p.identical_to_no_spec else "NO"] for p in points]
     table = markdown_table(["sequences", "MTP drafts k", "acceptance", "tokens/step", "decode tok/s", "vs off",
-                            "TPOT ms", "greedy output identical"], rows)
+                            "decode tok/CPU-s", "vs off", "TPOT ms", "greedy output identical"], rows)
     md = (f"## Speculative decoding: MTP drafts vs none\n\n"
           f"`matrixinfer bench spec` on `{model}`: {input_len}-token windows of the held-out corpus files, "
           f"{output_len} greedy tokens each (at least 8 prompts per point, in a closed loop of `sequences` "
           f"concurrent ones), {threads} thread(s), each setting run {repeats} times, interleaved, "
-          f"medians shown. Decode tok/s counts only steps in which every sequence decodes.\n\n{table}\n\n"
+          f"medians shown. Decode tok/s counts only steps in which every sequence decodes; per CPU-s divides "
+          f"the same tokens by this process's CPU time in those steps (one thread: the work, without the wait "
+          f"for cores other processes hold on this shared machine).\n\n{table}\n\n"
           f"![spec](spec.png)\n")
     write_section("spec", md)
     save_json("spec", {"model": model, "input_len": input_len, "output_len": output_len, "threads": threads,
