@@ -17,17 +17,20 @@ from matrixinfer.worker.model_runner import ModelRunner
 
 def num_kv_blocks(config: EngineConfig, model, max_model_len: int) -> int:
     """Blocks for max_num_seqs sequences of max_model_len, capped by kv_cache_memory_gb. Every
-    rank computes the same number from the same inputs."""
+    rank computes the same number from the same inputs. With k > 1 MTP drafts a sequence also
+    holds k - 1 lookahead slots (the recursive drafts write there)."""
     cache = config.cache
+    seq_slots = max_model_len + max(0, config.speculative.num_draft_tokens - 1)
     if cache.num_blocks is not None:
         n = cache.num_blocks
     else:
         per_block = ModelRunner.cache_bytes_per_block(model, cache.block_size)
-        wanted = config.scheduler.max_num_seqs * -(-max_model_len // cache.block_size)
+        wanted = config.scheduler.max_num_seqs * -(-seq_slots // cache.block_size)
         n = max(1, min(wanted, int(cache.kv_cache_memory_gb * 2**30) // per_block))
-    if n * cache.block_size < max_model_len:
+    if n * cache.block_size < seq_slots:
         raise ValueError(f"KV cache of {n} blocks x {cache.block_size} tokens cannot hold one sequence of "
-                         f"max_model_len={max_model_len}")
+                         f"max_model_len={max_model_len}" + (f" and its {seq_slots - max_model_len} lookahead slots"
+                                                             if seq_slots > max_model_len else ""))
     return n
 
 

@@ -186,3 +186,17 @@ def test_kv_connector_saves_only_blocks_of_accepted_tokens():
     # step 2 completes block 0 with its first (known) token; step 3's drafts would complete block 1
     # but only one was accepted (positions 4..7 = 8, 9, 5, 6 are KV after it); step 4 saves block 1
     assert saved == [[], [req.block_table[0]], [], [req.block_table[1]]]
+
+
+def test_a_sequence_runs_to_the_context_limit_in_a_cache_sized_for_it():
+    """Drafts stop at max_model_len and the k - 1 lookahead slots are part of a sequence's size:
+    a cache holding exactly one sequence (and its lookahead) serves it to the end; one block
+    less is refused at start, not a crash mid-generation."""
+    p = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    kw = dict(dtype="float32", block_size=4, max_model_len=64)
+    ref = LLM(model=DEFAULT_MODEL, num_blocks=16, **kw).generate(CODE[1], p, use_tqdm=False)[0].outputs[0]
+    out = LLM(model=DEFAULT_MODEL, num_blocks=17, speculative_config=mtp(3), **kw).generate(
+        CODE[1], p, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == ref.token_ids and out.finish_reason == "length"
+    with pytest.raises(ValueError, match="lookahead"):
+        LLM(model=DEFAULT_MODEL, num_blocks=16, speculative_config=mtp(3), **kw)
