@@ -118,23 +118,25 @@ class MLAttention(nn.Module):
         return out.transpose(-3, -2)
 
     def _attend_absorbed(self, q_nope, q_pe, latents, lens) -> torch.Tensor:
-        """q_*: [S, H, *] one query per sequence, or [S, Q, H, *] Q queries per sequence (speculative
-        verification); latents: [S, T, rank + rope]; lens: [S] (or [S, Q]) keys each query sees.
-        Returns [S, H, v] (or [S, Q, H, v])."""
-        one = q_nope.dim() == 3
-        if one:
-            q_nope, q_pe, lens = q_nope[:, None], q_pe[:, None], lens[:, None]
-        s, nq, h = q_nope.shape[:3]
+        """q_*: [S, H, *] one query per sequence; latents: [S, T, rank + rope]; lens: [S]. Returns [S, H, v].
+        Several queries per sequence (speculative verification): q_* [S, Q, H, *] and lens [S, Q],
+        the keys each query sees; the queries are folded into the head dimension. Returns [S, Q, H, v]."""
+        if q_nope.dim() == 4:
+            s, nq, h = q_nope.shape[:3]
+            out = self._attend_absorbed(q_nope.flatten(1, 2), q_pe.flatten(1, 2), latents,
+                                        lens.repeat_interleave(h, dim=1))
+            return out.unflatten(1, (nq, h))
         w_uk, w_uv = self._w_uk_uv()
-        q_lat = torch.einsum("sqhd,hdr->sqhr", q_nope, w_uk)
-        q = torch.cat([q_lat, q_pe], dim=-1).flatten(1, 2)  # [S, Q*H, rank + rope]
-        scores = torch.bmm(q, latents.transpose(1, 2)).float() * self.scale  # [S, Q*H, T]
-        valid = torch.arange(latents.shape[1], device=q.device)[None, None, :] < lens[:, :, None]  # [S, Q, T]
-        scores = scores.view(s, nq, h, -1).masked_fill(~valid[:, :, None, :], float("-inf"))
-        probs = scores.softmax(dim=-1).to(q.dtype).flatten(1, 2)
-        o_lat = torch.bmm(probs, latents[..., : self.kv_lora_rank]).view(s, nq, h, -1)  # [S, Q, H, rank]
-        out = torch.einsum("sqhr,hvr->sqhv", o_lat, w_uv)
-        return out[:, 0] if one else out
+        if q_nope.shape[1] != self.n_heads:  # queries folded into heads
+            w_uk, w_uv = (w.repeat(q_nope.shape[1] // self.n_heads, 1, 1) for w in (w_uk, w_uv))
+        q_lat = torch.einsum("shd,hdr->shr", q_nope, w_uk)
+        q = torch.cat([q_lat, q_pe], dim=-1)  # [S, H, rank + rope]
+        scores = torch.bmm(q, latents.transpose(1, 2)).float() * self.scale  # [S, H, T]
+        valid = torch.arange(latents.shape[1], device=q.device)[None, :] < lens[..., None]  # [S, T] or [S, H, T]
+        scores = scores.masked_fill(~valid[:, None, :] if lens.dim() == 1 else ~valid, float("-inf"))
+        probs = scores.softmax(dim=-1).to(q.dtype)
+        o_lat = torch.bmm(probs, latents[..., : self.kv_lora_rank])  # [S, H, rank]
+        return torch.einsum("shr,hvr->shv", o_lat, w_uv)
 
     # -- paged path -----------------------------------------------------------------------------
     def _forward_paged(self, ctx: ForwardContext, q_nope, q_pe, c_kv, k_pe) -> torch.Tensor:
