@@ -138,11 +138,27 @@ class MLAttention(nn.Module):
         o_lat = torch.bmm(probs, latents[..., : self.kv_lora_rank])  # [S, H, rank]
         return torch.einsum("shr,hvr->shv", o_lat, w_uv)
 
+    def forward_rows(self, x: torch.Tensor, rope, rows: torch.Tensor | None,
+                     rows_ctx: ForwardContext | None) -> torch.Tensor | None:
+        """Write the latent KV of every token of x (at the current context's slots), but attend
+        only for `rows`, one query each under rows_ctx (a decode context over the same cache):
+        the MTP module drafts from one row per sequence and needs the other rows' KV only.
+        rows None: write the KV, attend for nothing."""
+        q_nope, q_pe, c_kv, k_pe = self.prolog(x, rope)
+        self._write_kv(get_context().slot_mapping, c_kv, k_pe)
+        if rows is None:
+            return None
+        with_rows = self._forward_paged(rows_ctx, q_nope[rows], q_pe[rows], c_kv[rows], k_pe[rows])
+        return self.o_proj(with_rows.flatten(-2))
+
     # -- paged path -----------------------------------------------------------------------------
+    def _write_kv(self, slot_mapping: torch.Tensor, c_kv, k_pe) -> None:
+        flat = self.kv_cache.view(-1, self.kv_cache.shape[-1])
+        flat[slot_mapping] = torch.cat([c_kv, k_pe], dim=-1).to(flat.dtype)
+
     def _forward_paged(self, ctx: ForwardContext, q_nope, q_pe, c_kv, k_pe) -> torch.Tensor:
         cache = self.kv_cache
-        flat = cache.view(-1, cache.shape[-1])
-        flat[ctx.slot_mapping] = torch.cat([c_kv, k_pe], dim=-1).to(cache.dtype)
+        self._write_kv(ctx.slot_mapping, c_kv, k_pe)
         out = q_nope.new_empty(q_nope.shape[0], self.n_heads, self.v_dim)
         nd = ctx.num_decode_seqs
         if nd:

@@ -126,12 +126,14 @@ class ModelRunner:
             if plain:
                 plain_out = self._sample(self.model.compute_logits(hidden[b.plain_rows]), [r for _, r in plain])
                 mtp_ids[b.plain_rows] = plain_out.token_ids
-            # the MTP module at every position: its KV for the step, and the first draft's hidden state
-            h = self.model.mtp_forward(hidden, mtp_ids, pos + 1, depth=0)
+            # the MTP module: its KV at every position of the step; attention, MLP and head only
+            # at each speculating request's last accepted row, where it drafts from
+            at = b.first_token + accepted if len(b.rows) else None
+            p = pos[at] if at is not None else None
+            h = self.model.mtp_draft(hidden, mtp_ids, pos + 1, at,
+                                     draft_context(ctx, b, p, reqs, 0, bs) if at is not None else None)
         drafts = []
-        if len(b.rows):
-            at = b.first_token + accepted  # each request's last accepted row
-            h, p = h[at], pos[at]
+        if at is not None:
             for depth in range(k):
                 drafts.append(self.model.compute_logits(h).argmax(-1))
                 if depth + 1 < k:  # the MTP layer again, one position further, on its own output

@@ -85,7 +85,9 @@ def count_host_reads(model):
                 inside[0] -= 1
         return f
 
-    model.forward, model.mtp_forward = within(model.forward), within(model.mtp_forward)
+    wrapped = ["forward", "mtp_forward", "mtp_draft"]
+    for name in wrapped:
+        setattr(model, name, within(getattr(model, name)))
     for n in names:
         setattr(torch.Tensor, n, counting(n))
     try:
@@ -93,7 +95,8 @@ def count_host_reads(model):
     finally:
         for n in names:
             setattr(torch.Tensor, n, saved[n])
-        del model.forward, model.mtp_forward
+        for name in wrapped:
+            delattr(model, name)
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_p=0.9)])
@@ -142,3 +145,35 @@ def test_multi_query_decode_rows_match_prefill_chunks(lens):
 
     with torch.inference_mode():
         assert torch.allclose(hidden(True), hidden(False), atol=1e-4)
+
+
+def test_drafting_rows_only_equals_the_full_mtp_forward():
+    """The MTP module computes attention, MLP and head only at the rows it drafts from, yet
+    writes the same KV and gives those rows the same hidden states as running it everywhere."""
+    from matrixinfer.model.context import forward_context
+    from matrixinfer.worker.spec_decode import add_decode_queries, draft_context
+
+    model = load_model(DEFAULT_MODEL, dtype="float32")
+    runner = ModelRunner(model, num_blocks=16, block_size=4, device=torch.device("cpu"), num_spec_tokens=1)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 4000, (n,), generator=g).tolist() for n in (6, 9)]
+    tables = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    runner.execute_model(SchedulerOutput([ScheduledRequest(f"r{i}", p, 0, t, True, SamplingParams(temperature=0),
+                                                           spec=True) for i, (p, t) in enumerate(zip(prompts, tables))],
+                                         num_decode=0))
+    rows = [ScheduledRequest(f"r{i}", [7, 8], len(p), t, True, SamplingParams(temperature=0), num_draft=1, spec=True)
+            for i, (p, t) in enumerate(zip(prompts, tables))]
+    b = SpecBatch.build(rows, model.config.vocab_size, torch.device("cpu"), lambda r: None)
+    ids, pos, ctx = runner.prepare(rows, 2)
+    add_decode_queries(ctx, rows, torch.device("cpu"))
+    at = torch.tensor([0, 3])  # the first row of r0 (draft rejected), the second of r1 (accepted)
+    cache = runner.kv_cache[-1]
+    with torch.inference_mode(), forward_context(ctx):
+        hidden = model(ids, pos)
+        saved = cache.clone()
+        full = model.mtp_forward(hidden, ids, pos + 1)[at]
+        full_kv = cache.clone()
+        cache.copy_(saved)
+        rows_only = model.mtp_draft(hidden, ids, pos + 1, at, draft_context(ctx, b, pos[at], rows, 0, 4))
+    assert torch.allclose(rows_only, full, atol=1e-5)
+    assert torch.equal(cache, full_kv)
