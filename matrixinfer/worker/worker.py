@@ -21,17 +21,20 @@ log = logging.getLogger(__name__)
 
 def num_kv_blocks(config: EngineConfig, model, max_model_len: int) -> int:
     """Blocks for max_num_seqs sequences of max_model_len, capped by kv_cache_memory_gb. Every
-    rank computes the same number from the same inputs."""
+    rank computes the same number from the same inputs. With k > 1 MTP drafts a sequence also
+    holds k - 1 lookahead slots (the recursive drafts write there)."""
     cache = config.cache
+    seq_slots = max_model_len + max(0, config.speculative.num_draft_tokens - 1)
     if cache.num_blocks is not None:
         n = cache.num_blocks
     else:
         per_block = ModelRunner.cache_bytes_per_block(model, cache.block_size)
-        wanted = config.scheduler.max_num_seqs * -(-max_model_len // cache.block_size)
+        wanted = config.scheduler.max_num_seqs * -(-seq_slots // cache.block_size)
         n = max(1, min(wanted, int(cache.kv_cache_memory_gb * 2**30) // per_block))
-    if n * cache.block_size < max_model_len:
+    if n * cache.block_size < seq_slots:
         raise ValueError(f"KV cache of {n} blocks x {cache.block_size} tokens cannot hold one sequence of "
-                         f"max_model_len={max_model_len}")
+                         f"max_model_len={max_model_len}" + (f" and its {seq_slots - max_model_len} lookahead slots"
+                                                             if seq_slots > max_model_len else ""))
     return n
 
 
@@ -58,8 +61,10 @@ class Worker:
                              "is not quantized (write one with `matrixinfer quantize --model DIR --out DIR`)")
         self.max_model_len = max_model_len_of(config, self.model.config.max_position_embeddings)
         self.num_blocks = num_kv_blocks(config, self.model, self.max_model_len)
-        compiled = None if config.enforce_eager else CompiledDecode(self.model)
-        self.runner = ModelRunner(self.model, self.num_blocks, config.cache.block_size, self.device, compiled)
+        # a speculating runner's decode steps verify k + 1 tokens per sequence: they run eagerly
+        spec = config.speculative.num_draft_tokens
+        compiled = None if config.enforce_eager or spec else CompiledDecode(self.model)
+        self.runner = ModelRunner(self.model, self.num_blocks, config.cache.block_size, self.device, compiled, spec)
         if compiled is not None:  # compile now (the cache exists), not on the first request
             compiled.warm_up(config.scheduler.max_num_seqs, self.device)
         log.info("rank %d: %d intra-op threads, CPU kernels %s, decode step %s", rank, torch.get_num_threads(),
