@@ -101,7 +101,9 @@ def run(model: str, batches: list[int], ks: list[int], input_len: int, output_le
         repeats: int, min_prompts: int = 8) -> list[SpecBenchPoint]:
     from matrixinfer import LLM
 
-    llms = {k: LLM(model=model, dtype=dtype, max_num_seqs=max(batches),
+    # every side eager: speculative steps do not run the compiled decode step yet, so this
+    # measures the speculation lever alone (bench engine measures the compiled step)
+    llms = {k: LLM(model=model, dtype=dtype, max_num_seqs=max(batches), enforce_eager=True,
                    **({"speculative_config": {"method": "mtp", "num_speculative_tokens": k}} if k else {}))
             for k in [0, *ks]}
     prompts_all = corpus_prompts(llms[0].get_tokenizer(), max(*batches, min_prompts), input_len)
