@@ -184,6 +184,19 @@ class ParallelConfig:
     data_parallel_size: int = 1
     executor: str = "auto"  # "uni" (in-process) | "mp" (one OS process per rank) | auto: mp when world > 1
     distributed_timeout_s: float = 120.0
+    # expert parallelism: how dispatch sends tokens (auto: the model dtype, lossless; int8: the
+    # paper's per-token quantization, about half the bytes)
+    dispatch_dtype: str = "auto"
+    # EPLB (expert parallelism): R redundant expert slots placed from measured load, rebalanced
+    # every eplb_interval steps (0: never) over a window of the last eplb_window steps
+    num_redundant_experts: int = 0
+    # shared experts: on every EP rank (replicated), or on the last `shared_expert_ranks` EP ranks
+    # only, which then hold no routed expert (dedicated, as the paper's 32 of 320 dies)
+    shared_expert_placement: str = "replicated"
+    shared_expert_ranks: int = 1
+    microbatches: int = 1  # 2: split each rank's batch in two and overlap one's exchanges with the other's compute
+    eplb_interval: int = 0
+    eplb_window: int = 100
 
     @property
     def world_size(self) -> int:
@@ -254,6 +267,13 @@ class EngineConfig:
         "expert_parallel_size": ("parallel", "expert_parallel_size"),
         "data_parallel_size": ("parallel", "data_parallel_size"),
         "distributed_executor_backend": ("parallel", "executor"),
+        "dispatch_dtype": ("parallel", "dispatch_dtype"),
+        "num_redundant_experts": ("parallel", "num_redundant_experts"),
+        "eplb_interval": ("parallel", "eplb_interval"),
+        "eplb_window": ("parallel", "eplb_window"),
+        "microbatches": ("parallel", "microbatches"),
+        "shared_expert_placement": ("parallel", "shared_expert_placement"),
+        "shared_expert_ranks": ("parallel", "shared_expert_ranks"),
         "quantization": ("quantization", "method"),
     }
 
@@ -275,14 +295,21 @@ class EngineConfig:
                     setattr(section, k, v)
             else:
                 raise TypeError(f"unknown engine argument {key!r}")
+        if cfg.parallel.expert_parallel_size > 1 and "enable_prefix_caching" not in kwargs:
+            cfg.cache.enable_prefix_caching = False  # a cached block lives on the rank that wrote it
         cfg.validate()
         return cfg
 
     def validate(self) -> None:
         if self.parallel.world_size < 1 or self.parallel.tensor_parallel_size < 1:
             raise ValueError("parallel sizes must be >= 1")
-        if self.parallel.expert_parallel_size != 1 or self.parallel.data_parallel_size != 1:
-            raise ValueError("expert_parallel_size and data_parallel_size > 1 are not built yet")
+        par = self.parallel
+        if par.expert_parallel_size < 1:
+            raise ValueError("parallel sizes must be >= 1")
+        if par.data_parallel_size != 1:
+            raise ValueError("data_parallel_size > 1 is not built (attention runs data parallel inside an "
+                             "expert-parallel group: use expert_parallel_size)")
+        self._validate_expert_parallel(par)
         if self.parallel.executor not in ("auto", "uni", "mp"):
             raise ValueError(f"unknown executor {self.parallel.executor!r} (auto, uni, mp)")
         if self.parallel.executor == "uni" and self.parallel.world_size > 1:
@@ -301,6 +328,30 @@ class EngineConfig:
             raise ValueError(f"unknown quantization {self.quantization.method!r} (w8a8, compressed-tensors); a "
                              "quantized checkpoint is detected from its config.json")
 
+    def _validate_expert_parallel(self, par: ParallelConfig) -> None:
+        if par.dispatch_dtype not in ("auto", "int8", "bfloat16", "float32"):
+            raise ValueError(f"unknown dispatch_dtype {par.dispatch_dtype!r} (auto, int8, bfloat16, float32)")
+        if min(par.num_redundant_experts, par.eplb_interval) < 0 or par.eplb_window < 1:
+            raise ValueError("num_redundant_experts and eplb_interval must be >= 0, eplb_window >= 1")
+        if par.microbatches not in (1, 2):
+            raise ValueError(f"microbatches {par.microbatches}: 1 or 2")
+        if par.shared_expert_placement not in ("replicated", "dedicated"):
+            raise ValueError(f"shared_expert_placement {par.shared_expert_placement!r}: replicated or dedicated")
+        if par.expert_parallel_size == 1:
+            if par.num_redundant_experts or par.eplb_interval or par.microbatches != 1:
+                raise ValueError("redundant experts / EPLB / microbatches need expert_parallel_size > 1")
+            return
+        if par.shared_expert_placement == "dedicated":
+            if not 1 <= par.shared_expert_ranks < par.expert_parallel_size:
+                raise ValueError("dedicated shared experts need 1 <= shared_expert_ranks < expert_parallel_size")
+            if par.num_redundant_experts or par.eplb_interval:
+                raise ValueError("EPLB with dedicated shared-expert ranks is not built yet")
+        if self.cache.enable_prefix_caching:
+            raise ValueError("prefix caching with expert_parallel_size > 1 is not supported: each rank holds the "
+                             "KV of its own requests, so a cached block is on one rank only")
+        if self.speculative.method is not None:
+            raise ValueError("speculative decoding with expert_parallel_size > 1 is not built yet")
+
     @staticmethod
     def add_cli_args(p) -> None:
         """The engine flags shared by `serve`, `generate` and the benches."""
@@ -314,6 +365,19 @@ class EngineConfig:
         p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
         p.add_argument("--max-model-len", type=int, default=None)
         p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+        p.add_argument("--expert-parallel-size", "-ep", type=int, default=1,
+                       help="EP ranks (x tp processes): attention data parallel, routed experts partitioned")
+        p.add_argument("--dispatch-dtype", default="auto", choices=["auto", "int8", "bfloat16", "float32"],
+                       help="how MoE dispatch sends tokens between EP ranks (auto: the model dtype)")
+        p.add_argument("--num-redundant-experts", type=int, default=0,
+                       help="EPLB: extra expert replicas placed from measured load (needs -ep > 1)")
+        p.add_argument("--eplb-interval", type=int, default=0, help="EPLB: rebalance every N steps (0: never)")
+        p.add_argument("--eplb-window", type=int, default=100, help="EPLB: steps of token counts a rebalance uses")
+        p.add_argument("--shared-expert-placement", default="replicated", choices=["replicated", "dedicated"],
+                       help="dedicated: shared experts only on the last --shared-expert-ranks EP ranks")
+        p.add_argument("--shared-expert-ranks", type=int, default=1)
+        p.add_argument("--microbatches", type=int, default=1, choices=[1, 2],
+                       help="2: overlap one microbatch's dispatch/combine with the other's compute (needs -ep > 1)")
         p.add_argument("--distributed-executor-backend", default="auto", choices=["auto", "uni", "mp"])
         p.add_argument("--kv-connector", default=None, choices=["ems"])
         p.add_argument("--ems-controller", default=None, help="HOST:PORT of the EMS controller")
@@ -349,6 +413,10 @@ class EngineConfig:
             raise ValueError(f"prefill.prefill_parallel: {p.prefill_parallel}: only dp is served yet")
         kw = dict(dtype=dep.dtype, tensor_parallel_size=d.tensor_parallel_size,
                   expert_parallel_size=d.expert_parallel_size)
+        if d.expert_parallel_size > 1:
+            if d.dispatch_dtype not in ("int8", "bf16"):
+                raise ValueError(f"decode.dispatch_dtype: {d.dispatch_dtype}: int8 or bf16 is served")
+            kw["dispatch_dtype"] = {"bf16": "bfloat16"}.get(d.dispatch_dtype, d.dispatch_dtype)
         if d.speculative_num_tokens:
             kw["speculative_config"] = {"method": "mtp", "num_speculative_tokens": d.speculative_num_tokens}
         return cls.from_kwargs(dep.model, **{**kw, **overrides})
@@ -358,10 +426,15 @@ class EngineConfig:
         kv = {"connector": args.kv_connector, "ems_controller": args.ems_controller}
         kw = dict(device=args.device, seed=args.seed or 0,
                   block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
-                  enable_prefix_caching=not args.no_prefix_caching, max_num_seqs=args.max_num_seqs,
+                  max_num_seqs=args.max_num_seqs, dispatch_dtype=args.dispatch_dtype,
+                  num_redundant_experts=args.num_redundant_experts, eplb_interval=args.eplb_interval,
+                  eplb_window=args.eplb_window, microbatches=args.microbatches,
+                  shared_expert_placement=args.shared_expert_placement, shared_expert_ranks=args.shared_expert_ranks,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                   distributed_executor_backend=args.distributed_executor_backend, kv_transfer_config=kv,
                   load_format=args.load_format, model_source_mbps=args.model_source_mbps)
+        if args.no_prefix_caching:  # on by default, off by default with expert parallelism
+            kw["enable_prefix_caching"] = False
         if getattr(args, "enforce_eager", None):
             kw["enforce_eager"] = True
         if getattr(args, "speculative_method", None):
@@ -371,4 +444,5 @@ class EngineConfig:
             from matrixinfer.deployment import load_deployment
 
             return cls.from_deployment(load_deployment(args.deployment), **kw)
-        return cls.from_kwargs(args.model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size, **kw)
+        return cls.from_kwargs(args.model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
+                               expert_parallel_size=args.expert_parallel_size, **kw)

@@ -9,6 +9,20 @@ from matrixinfer.config import DEFAULT_MODEL, EngineConfig
 from matrixinfer.deployment import load_deployment
 
 
+def test_expert_parallel_flags_build_an_ep_config_without_prefix_caching():
+    import argparse
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="m")
+    EngineConfig.add_cli_args(p)
+    cfg = EngineConfig.from_cli(p.parse_args(["-ep", "2", "-tp", "2", "--dispatch-dtype", "int8", "--microbatches", "2",
+                                              "--num-redundant-experts", "2", "--eplb-interval", "50"]))
+    par = cfg.parallel
+    assert (par.world_size, par.dispatch_dtype, par.microbatches, par.num_redundant_experts, par.eplb_interval) == (
+        4, "int8", 2, 2, 50)
+    assert not cfg.cache.enable_prefix_caching  # each rank holds only its own requests' KV
+
+
 def test_keywords_land_in_their_sections():
     cfg = EngineConfig.from_kwargs("m", max_num_batched_tokens=512, block_size=8, tensor_parallel_size=2,
                                    kv_transfer_config={"connector": "ems", "ems_controller": "h:1"})
@@ -22,6 +36,15 @@ def test_keywords_land_in_their_sections():
     ({"kv_transfer_config": {"connector": "redis"}}, "unknown kv connector"),
     ({"kv_transfer_config": {"connector": "ems"}}, "ems_controller"),
     ({"tensor_parallel_size": 2, "distributed_executor_backend": "uni"}, "in-process executor runs one rank"),
+    ({"expert_parallel_size": 2, "enable_prefix_caching": True}, "prefix caching with expert_parallel_size"),
+    ({"expert_parallel_size": 2, "dispatch_dtype": "fp8"}, "unknown dispatch_dtype"),
+    ({"microbatches": 2}, "need expert_parallel_size > 1"),
+    ({"expert_parallel_size": 2, "microbatches": 3}, "1 or 2"),
+    ({"num_redundant_experts": 2}, "need expert_parallel_size > 1"),
+    ({"expert_parallel_size": 2, "shared_expert_placement": "dedicated", "shared_expert_ranks": 2},
+     "shared_expert_ranks < expert_parallel_size"),
+    ({"expert_parallel_size": 2, "shared_expert_placement": "dedicated", "num_redundant_experts": 1},
+     "EPLB with dedicated"),
 ])
 def test_bad_engine_arguments_are_clear_errors(kwargs, message):
     with pytest.raises((TypeError, ValueError), match=message):

@@ -73,11 +73,15 @@ def register(sub, bench_sub) -> None:
                                                       "(default: `matrixinfer quantize` of --model into a temp dir)")
     b.set_defaults(func=_bench_engine)
 
-    from matrixinfer.bench import executor_bench, kv_connector_bench, spec_bench
+    from matrixinfer.bench import ep_bench, executor_bench, kv_connector_bench, spec_bench
 
     e = bench_sub.add_parser("executor", help="in-process vs multi-process executors (TP=1, TP=2), same requests")
     executor_bench.add_arguments(e)
     e.set_defaults(func=executor_bench.main)
+    ep = bench_sub.add_parser("ep", help="expert parallelism: dispatch/combine bytes and latency (INT8 vs BF16), "
+                              "EPLB imbalance, decode at EP 1/2, the EP320 projection")
+    ep_bench.add_arguments(ep)
+    ep.set_defaults(func=ep_bench.main)
 
     sp = bench_sub.add_parser("spec", help="the same requests with and without MTP speculative decoding")
     spec_bench.add_arguments(sp)

@@ -11,12 +11,13 @@ def make_scheduler_connector(cfg, kv_manager) -> KVConnectorScheduler | None:
     return EMSConnectorScheduler(cfg, kv_manager)
 
 
-def make_worker_connector(cfg, rank: int) -> KVConnectorWorker | None:
+def make_worker_connector(cfg, tp_rank: int) -> KVConnectorWorker | None:
+    """The worker half; TP rank 0 saves (the other TP ranks hold the same latent)."""
     if cfg.connector is None:
         return None
     from matrixinfer.kv_connector.ems_connector import EMSConnectorWorker
 
-    return EMSConnectorWorker(cfg, saves=rank == 0)
+    return EMSConnectorWorker(cfg, saves=tp_rank == 0)
 
 
 __all__ = ["KVConnectorScheduler", "KVConnectorWorker", "make_scheduler_connector", "make_worker_connector"]

@@ -55,6 +55,10 @@ class KVConnectorWorker(ABC):
     @abstractmethod
     def wait_for_save(self) -> None: ...
 
+    def keep_saves(self, blocks: set[int]) -> None:
+        """Attention data parallelism (expert parallelism): this rank wrote only `blocks` this
+        step, so it saves only those; called between the forward and wait_for_save."""
+
     def get_finished(self) -> tuple[set[str], set[str]]:
         return set(), set()
 

@@ -104,7 +104,9 @@ class EMSConnectorScheduler(KVConnectorScheduler):
 class EMSConnectorWorker(KVConnectorWorker):
     def __init__(self, cfg: KVTransferConfig, saves: bool = True, client=None):
         self.client = client if client is not None else _client(cfg)
-        self.saves_enabled = saves  # with tensor parallelism every rank holds the same latent: one saves
+        # with tensor parallelism every rank holds the same latent: one (TP rank 0) saves; under
+        # attention data parallelism each replica's TP rank 0 saves the blocks of its own requests
+        self.saves_enabled = saves
         self._failed: set[str] = set()
         self._to_save: list[tuple[int, str]] = []
 
@@ -128,6 +130,9 @@ class EMSConnectorWorker(KVConnectorWorker):
                 continue
             page = torch.frombuffer(bytearray(value), dtype=torch.uint8).view(cache.dtype).view(page_shape)
             cache[:, block].copy_(page)
+
+    def keep_saves(self, blocks: set[int]) -> None:
+        self._to_save = [(b, key) for b, key in self._to_save if b in blocks]
 
     def wait_for_save(self) -> None:
         if not self._to_save:

@@ -17,7 +17,7 @@ from torch import nn
 from matrixinfer.config import ModelConfig
 from matrixinfer.model.attention import MLAttention
 from matrixinfer.model.layers import MLP, QuantizationConfig, ReplicatedLinear, RMSNorm
-from matrixinfer.model.moe import MoE
+from matrixinfer.model.moe import MoE, run_stages
 
 
 class DecoderLayer(nn.Module):
@@ -33,8 +33,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return run_stages(self.stages(h, rope))
+
+    def stages(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+        """forward() as a generator yielding while the MoE's exchanges fly (moe.py)."""
         h = h + self.self_attn(self.input_layernorm(h), rope)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        x = self.post_attention_layernorm(h)
+        return h + ((yield from self.mlp.stages(x)) if isinstance(self.mlp, MoE) else self.mlp(x))
 
 
 class SharedHead(nn.Module):
@@ -88,11 +93,25 @@ class DeepseekModel(nn.Module):
                                           prefix=f"model.mtp.{k}") for k in range(n_mtp))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return run_stages(self.stages(input_ids, positions))
+
+    def stages(self, input_ids: torch.Tensor, positions: torch.Tensor):
+        """forward() as a generator yielding while the MoE layers' exchanges fly (moe.py): the
+        microbatch pipeline (worker/data_parallel.py) runs two of them in turn."""
         h = self.embed_tokens(input_ids)
         rope = self.layers[0].self_attn.rotary.cos_sin(positions, h.dtype)  # same for every layer
         for layer in self.layers:
-            h = layer(h, rope)
+            h = yield from layer.stages(h, rope)
         return self.norm(h)
+
+    def idle_stages(self, dtype: torch.dtype, device):
+        """What a rank (or microbatch) with no tokens runs: every MoE layer's exchanges with
+        zero rows, in layer order, so its peers' collectives meet it."""
+        x = torch.empty(0, self.norm.weight.shape[0], dtype=dtype, device=device)
+        for layer in self.layers:
+            if isinstance(layer.mlp, MoE):
+                yield from layer.mlp.stages(x)
+        return x
 
 
 class DeepseekForCausalLM(nn.Module):

@@ -2,8 +2,11 @@
 experts and always-on shared experts.
 
 The routed experts held by this process may be a subset (expert parallelism): `experts`
-(layers/experts.py) holds only those and computes only their (token, expert) pairs. The router
-always scores all experts.
+(layers/experts.py) holds only those. Without a dispatcher they compute only their (token,
+expert) pairs of this process's tokens; with expert parallelism (parallel/ep_comm.py) the tokens
+travel to the ranks holding their experts and the weighted outputs come back. The router always
+scores all experts; shared experts are replicated on every EP rank and run on the local tokens,
+or (dedicated placement) run on their own ranks, reached through the same dispatch/combine.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from torch import nn
 
 from matrixinfer.config import ModelConfig
 from matrixinfer.model.layers import MLP, QuantizationConfig, RoutedExperts
+from matrixinfer.parallel.ep_comm import get_dispatcher
 from matrixinfer.parallel.state import tp_all_reduce
 
 
@@ -41,12 +45,12 @@ class Router(nn.Module):
         else:
             n = scores.shape[0]
             choice = scores + self.e_score_correction_bias if self.topk_method == "noaux_tc" else scores
-            grouped = choice.view(n, self.n_group, -1)
+            grouped = choice.view(n, self.n_group, self.n_experts // self.n_group)  # n may be 0 (an idle EP rank)
             # noaux_tc ranks a group by its two best experts; group_limited_greedy by its best one
             group_scores = grouped.topk(2, dim=-1)[0].sum(-1) if self.topk_method == "noaux_tc" else grouped.amax(-1)
             group_idx = group_scores.topk(self.topk_group, dim=-1, sorted=False)[1]
             group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0).bool()
-            expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(n, -1)
+            expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(n, self.n_experts)
             fill = float("-inf") if self.topk_method == "noaux_tc" else 0.0
             choice = choice.masked_fill(~expert_mask, fill)
         ids = choice.topk(self.top_k, dim=-1, sorted=False)[1]
@@ -74,10 +78,36 @@ class MoE(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return run_stages(self.stages(x))
+
+    def stages(self, x: torch.Tensor):
+        """forward() as a generator that yields while an expert-parallel exchange is in flight
+        (after dispatch starts, after combine starts), so a microbatch pipeline can run the
+        other microbatch there; it returns the block's output. Without a dispatcher it never yields."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, ids = self.gate(x)
-        out = self.experts(x, weights, ids)
+        dispatcher = get_dispatcher()
+        if dispatcher is None:
+            out = self.experts(x, weights, ids)
+        else:
+            dedicated = bool(dispatcher.shared_ranks) and self.shared_experts is not None
+            pending = dispatcher.dispatch(x, weights, ids, self.experts, self.shared_experts if dedicated else None)
+            yield
+            dispatcher.compute(pending)
+            yield
+            out = dispatcher.combine(pending)
+            if dedicated:  # the shared experts ran on their own ranks; combine brought them back
+                return tp_all_reduce(out).view(shape)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return tp_all_reduce(out).view(shape)
+
+
+def run_stages(stages):
+    """Run a stages() generator to its end (nothing to overlap with) and return its value."""
+    while True:
+        try:
+            next(stages)
+        except StopIteration as done:
+            return done.value

@@ -3,6 +3,8 @@
 from matrixinfer.parallel.state import (
     ParallelGroup,
     destroy_model_parallel,
+    expert_partition,
+    get_ep_group,
     get_tp_group,
     get_tp_rank,
     get_tp_size,
@@ -12,6 +14,6 @@ from matrixinfer.parallel.state import (
 )
 
 __all__ = [
-    "ParallelGroup", "destroy_model_parallel", "get_tp_group", "get_tp_rank", "get_tp_size",
-    "init_model_parallel", "tp_all_gather", "tp_all_reduce",
+    "ParallelGroup", "destroy_model_parallel", "expert_partition", "get_ep_group", "get_tp_group", "get_tp_rank",
+    "get_tp_size", "init_model_parallel", "tp_all_gather", "tp_all_reduce",
 ]

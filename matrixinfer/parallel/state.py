@@ -12,9 +12,16 @@ in that group when they are built and shard their weights accordingly (model/lay
   MoE block (routed and shared experts add their partials before it);
 - everything else (latent down-projections, norms, router, embedding, LM head) is replicated.
 
+Expert parallelism (`init_model_parallel(tp, ep)`, world = tp * ep): global rank
+`d * tp + t` is tensor-parallel rank t of attention data-parallel replica d. The ranks sharing
+a tensor-parallel index t, one per replica, form expert-parallel group t: attention runs data
+parallel over the replicas (each its own requests), the routed experts are partitioned over the
+EP group (`expert_partition`), and the MoE layer exchanges tokens inside it (ep_comm.py). Each
+expert is still sharded over its TP group like a dense MLP, so an expert's output stays a TP
+partial sum added by the block's one `tp_all_reduce`.
+
 Nothing initialised (one process, no torch.distributed at all) means size 1, rank 0, and the
-collectives are the identity. Expert- and data-parallel groups would be cut from the same
-world beside the tensor-parallel one and kept in their own `ParallelGroup`.
+collectives are the identity.
 
 The collectives are for inference: they do not carry gradients (training runs one process).
 """
@@ -55,34 +62,61 @@ class ParallelGroup:
 
 _SINGLE = ParallelGroup(group=None, ranks=[0], rank=0)
 _TP: ParallelGroup = _SINGLE
+_EP: ParallelGroup = _SINGLE
 
 
-def init_model_parallel(tensor_parallel_size: int) -> None:
-    """Cut the default process group into tensor-parallel groups of `tensor_parallel_size`
-    consecutive ranks. Every rank must call it (new_group is collective). With size 1 it
-    needs no torch.distributed at all."""
-    global _TP
-    if tensor_parallel_size == 1:
-        _TP = ParallelGroup(group=None, ranks=[dist.get_rank() if dist.is_initialized() else 0], rank=0)
+def _cut(groups: list[list[int]], rank: int) -> ParallelGroup:
+    """new_group for every group (collective: every rank creates all of them); ours returned."""
+    mine = _SINGLE
+    for ranks in groups:
+        group = dist.new_group(ranks) if len(ranks) > 1 else None
+        if rank in ranks:
+            mine = ParallelGroup(group=group, ranks=ranks, rank=ranks.index(rank))
+    return mine
+
+
+def init_model_parallel(tensor_parallel_size: int, expert_parallel_size: int = 1) -> None:
+    """Cut the default process group (world = tp * ep) into tensor-parallel groups of
+    consecutive ranks and expert-parallel groups of ranks `tp` apart. Every rank must call it
+    (new_group is collective). With both sizes 1 it needs no torch.distributed at all."""
+    global _TP, _EP
+    tp, ep = tensor_parallel_size, expert_parallel_size
+    if tp == 1 and ep == 1:
+        _TP = _EP = ParallelGroup(group=None, ranks=[dist.get_rank() if dist.is_initialized() else 0], rank=0)
         return
     if not dist.is_initialized():
-        raise RuntimeError("init_model_parallel(tp > 1) needs torch.distributed.init_process_group first")
+        raise RuntimeError("init_model_parallel(tp * ep > 1) needs torch.distributed.init_process_group first")
     world, rank = dist.get_world_size(), dist.get_rank()
-    if world % tensor_parallel_size:
-        raise ValueError(f"world size {world} is not divisible by tensor_parallel_size {tensor_parallel_size}")
-    for start in range(0, world, tensor_parallel_size):
-        ranks = list(range(start, start + tensor_parallel_size))
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            _TP = ParallelGroup(group=group, ranks=ranks, rank=ranks.index(rank))
+    if world != tp * ep:
+        raise ValueError(f"world size {world} != tensor_parallel_size {tp} x expert_parallel_size {ep}")
+    _TP = _cut([list(range(d * tp, (d + 1) * tp)) for d in range(ep)], rank)
+    _EP = _cut([list(range(t, world, tp)) for t in range(tp)], rank)
 
 
 def destroy_model_parallel() -> None:
     """Forget the groups (the caller destroys the default process group itself)."""
-    global _TP
-    if _TP.group is not None and dist.is_initialized():
-        dist.destroy_process_group(_TP.group)
-    _TP = _SINGLE
+    global _TP, _EP
+    for g in (_TP, _EP):
+        if g.group is not None and dist.is_initialized():
+            dist.destroy_process_group(g.group)
+    _TP = _EP = _SINGLE
+
+
+def get_ep_group() -> ParallelGroup:
+    """This rank's expert-parallel group; its index there is also its attention data-parallel rank."""
+    return _EP
+
+
+def expert_partition(num_experts: int, ep_size: int) -> list[list[int]]:
+    """Routed experts of each EP rank: contiguous ranges, the first `num_experts % ep_size`
+    ranks holding one more (so rank order is expert order)."""
+    base, extra = divmod(num_experts, ep_size)
+    out, start = [], 0
+    for r in range(ep_size):
+        n = base + (r < extra)
+        out.append(list(range(start, start + n)))
+        start += n
+    return out
 
 
 def get_tp_group() -> ParallelGroup:

@@ -50,6 +50,17 @@ def quantize_activation(x: torch.Tensor, strategy: str = "token") -> tuple[torch
     return quantize_symmetric(x, scale), scale
 
 
+def quantize_per_token_(x: torch.Tensor, q_out: torch.Tensor, scale_out: torch.Tensor) -> None:
+    """quantize_activation(x, "token") written into existing tensors: x [M, K] float32 is
+    overwritten (it is the work buffer), q_out [M, K] int8 and scale_out [M, 1] float32
+    receive the values. For static buffers (expert-parallel dispatch): only [M, 1] is allocated."""
+    amax = torch.linalg.vector_norm(x, ord=float("inf"), dim=-1, keepdim=True)
+    scale = amax.clamp_min_(1e-8).div_(QMAX)
+    x.div_(scale).round_().clamp_(-QMAX, QMAX)
+    q_out.copy_(x)
+    scale_out.copy_(scale)
+
+
 def int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """int8 a [M, K] @ int8 b [K, N] -> int32 [M, N]. The CUDA kernel needs M > 16 and K, N
     multiples of 8: pad with zero rows/columns there (zeros add nothing to the sums)."""

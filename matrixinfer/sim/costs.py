@@ -236,13 +236,12 @@ def eplb_slot_loads(expert_loads: list[float], slots: int) -> list[float]:
     """EPLB model: give `slots - len(expert_loads)` redundant replicas, one at a time, to the
     expert whose per-replica load is highest; replicas of an expert split its load evenly.
     Returns the load of every slot (one slot = one device holding one expert copy)."""
+    from matrixinfer.parallel.eplb import replicate  # the engine's own replication rule
+
     n = len(expert_loads)
     if slots < n:
         raise ValueError(f"need at least one slot per expert ({n}), got {slots}")
-    copies = [1] * n
-    for _ in range(slots - n):
-        hot = max(range(n), key=lambda e: expert_loads[e] / copies[e])
-        copies[hot] += 1
+    copies = replicate(expert_loads, slots)[1]
     return [expert_loads[e] / copies[e] for e in range(n) for _ in range(copies[e])]
 
 

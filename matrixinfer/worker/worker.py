@@ -61,18 +61,73 @@ class Worker:
                              "is not quantized (write one with `matrixinfer quantize --model DIR --out DIR`)")
         self.max_model_len = max_model_len_of(config, self.model.config.max_position_embeddings)
         self.num_blocks = num_kv_blocks(config, self.model, self.max_model_len)
-        # a speculating runner's decode steps verify k + 1 tokens per sequence: they run eagerly
-        spec = config.speculative.num_draft_tokens
-        compiled = None if config.enforce_eager or spec else CompiledDecode(self.model)
-        self.runner = ModelRunner(self.model, self.num_blocks, config.cache.block_size, self.device, compiled, spec)
-        if compiled is not None:  # compile now (the cache exists), not on the first request
-            compiled.warm_up(config.scheduler.max_num_seqs, self.device)
+        self.runner = self._make_runner()
+        compiled = getattr(self.runner, "compiled_decode", None)
         log.info("rank %d: %d intra-op threads, CPU kernels %s, decode step %s", rank, torch.get_num_threads(),
                  torch.backends.cpu.get_cpu_capability(),
                  "eager" if compiled is None else f"compiled in {compiled.compile_s:.1f} s")
-        self.connector = make_worker_connector(config.kv_transfer, rank)
+        from matrixinfer.parallel import get_tp_rank
+
+        self.connector = make_worker_connector(config.kv_transfer, get_tp_rank())
         if self.connector is not None:
             self.connector.register_kv_cache(self.runner.kv_cache)
+
+    def routed_ranks(self) -> int:
+        """EP ranks that hold routed experts (all but the dedicated shared-expert ranks)."""
+        par = self.config.parallel
+        dedicated = par.shared_expert_placement == "dedicated"
+        return par.expert_parallel_size - (par.shared_expert_ranks if dedicated else 0)
+
+    def expert_ids(self) -> list[int] | None:
+        """The routed experts this rank holds (None: all of them)."""
+        if self.config.parallel.expert_parallel_size == 1:
+            return None
+        from matrixinfer.config import ModelConfig
+        from matrixinfer.parallel import expert_partition, get_ep_group
+
+        cfg = ModelConfig.from_pretrained(self.config.model)
+        if self.config.parallel.shared_expert_placement == "dedicated" and not cfg.n_shared_experts:
+            raise ValueError(f"{self.config.model} has no shared experts to place on dedicated ranks")
+        parts = expert_partition(cfg.n_routed_experts, self.routed_ranks())
+        rank = get_ep_group().rank
+        return parts[rank] if rank < len(parts) else []
+
+    def _make_runner(self) -> ModelRunner:
+        block_size = self.config.cache.block_size
+        if self.config.parallel.expert_parallel_size == 1:
+            # a speculating runner's decode steps verify k + 1 tokens per sequence: they run eagerly
+            spec = self.config.speculative.num_draft_tokens
+            compiled = None if self.config.enforce_eager or spec else CompiledDecode(self.model)
+            runner = ModelRunner(self.model, self.num_blocks, block_size, self.device, compiled, spec)
+            if compiled is not None:  # compile now (the cache exists), not on the first request
+                compiled.warm_up(self.config.scheduler.max_num_seqs, self.device)
+            return runner
+        # expert parallelism runs eagerly: the exchanges' collectives and row counts are not compiled
+        from matrixinfer.parallel import expert_partition, get_ep_group
+        from matrixinfer.parallel.ep_comm import EPDispatcher, set_dispatcher
+        from matrixinfer.worker.data_parallel import DataParallelRunner
+
+        cfg, group = self.model.config, get_ep_group()
+        routed = self.routed_ranks()
+        owner = [r for r, ids in enumerate(expert_partition(cfg.n_routed_experts, routed)) for _ in ids]
+        dtype = self.model.lm_head.weight.dtype
+        dispatch = self.config.parallel.dispatch_dtype
+        dispatch = str(dtype).removeprefix("torch.") if dispatch == "auto" else dispatch
+        dispatcher = EPDispatcher(group, owner, cfg.num_experts_per_tok, cfg.hidden_size,
+                                  self.config.scheduler.max_num_batched_tokens, dispatch, dtype, self.device,
+                                  shared_ranks=list(range(routed, group.size)))
+        set_dispatcher(dispatcher)
+        balancer = None
+        par = self.config.parallel
+        if par.num_redundant_experts or par.eplb_interval:
+            from matrixinfer.model.moe import MoE
+            from matrixinfer.parallel.eplb import ExpertBalancer
+
+            moes = [layer.mlp for layer in self.model.model.layers if isinstance(layer.mlp, MoE)]
+            balancer = ExpertBalancer(moes, group, par.num_redundant_experts, par.eplb_interval, par.eplb_window,
+                                      self.device)
+        return DataParallelRunner(self.model, self.num_blocks, block_size, self.device, group, dispatcher, balancer,
+                                  par.microbatches)
 
     def info(self):
         """What the executor tells the engine core about this rank once it is up."""
@@ -85,7 +140,8 @@ class Worker:
 
     def _load(self):
         if self.config.load_format != "ems":
-            return load_model(self.config.model, dtype=self.config.dtype, device=self.device)
+            return load_model(self.config.model, dtype=self.config.dtype, device=self.device,
+                              expert_ids=self.expert_ids())
         from matrixinfer.ems.client import EMSClient
         from matrixinfer.ems.model_cache import ModelCache, ThrottledSource
 
@@ -96,7 +152,8 @@ class Worker:
             cache = ModelCache(client, source, model_name=str(self.config.model))
             try:
                 tensors, self.load_report = cache.load()
-                return load_model(self.config.model, dtype=self.config.dtype, device=self.device, weights=tensors)
+                return load_model(self.config.model, dtype=self.config.dtype, device=self.device, weights=tensors,
+                                  expert_ids=self.expert_ids())
             finally:
                 cache.close()
 
@@ -111,7 +168,7 @@ class Worker:
                                 timeout=timeout)
         # control messages (failed KV loads) go over a CPU group whatever the device backend
         self.cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
-        init_model_parallel(self.config.parallel.tensor_parallel_size)
+        init_model_parallel(self.config.parallel.tensor_parallel_size, self.config.parallel.expert_parallel_size)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
         skip: set[str] = set()
@@ -121,6 +178,9 @@ class Worker:
             skip = self._agree(self.connector.get_failed_loads())
         out = self.runner.execute_model(sched, skip, driver=self.rank == 0)
         if self.connector is not None and meta is not None:
+            own = getattr(self.runner, "own_blocks", None)  # attention data parallel: what this rank wrote
+            if own is not None:
+                self.connector.keep_saves(own)
             self.connector.wait_for_save()
         return out
 
@@ -139,7 +199,9 @@ class Worker:
             import torch.distributed as dist
 
             from matrixinfer.parallel import destroy_model_parallel
+            from matrixinfer.parallel.ep_comm import set_dispatcher
 
+            set_dispatcher(None)
             destroy_model_parallel()
             if dist.is_initialized():
                 dist.destroy_process_group()

@@ -124,3 +124,23 @@ def test_failed_load_recomputes_the_prefix(text_checkpoint, monkeypatch, referen
     assert out.num_cached_tokens == 0
     assert out.outputs[0].token_ids == reference[len(PROMPT + SUFFIX)]
     assert lossy.engine.stats.external_cache_hits == 0
+
+
+@pytest.mark.slow
+def test_expert_parallel_ranks_save_their_own_requests_blocks_and_load_from_the_pool(text_checkpoint, ems_pool,
+                                                                                    reference):
+    """EP=2 (attention data parallel): OTHER goes to rank 0 and PROMPT to rank 1, so PROMPT's
+    blocks exist only in rank 1's cache; another single-process engine loads them and answers
+    exactly; an EP engine loads the prefix from the pool too."""
+    model, other = text_checkpoint[0], list(range(50, 76))
+    kw = dict(dtype="float32", block_size=4, expert_parallel_size=2,
+              kv_transfer_config={"connector": "ems", "ems_controller": ems_pool.controller})
+    p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with LLM(model=model, **kw) as ep:
+        outs = ep.generate([{"prompt_token_ids": other}, {"prompt_token_ids": PROMPT}], p, use_tqdm=False)
+    assert outs[1].outputs[0].token_ids == reference[len(PROMPT)]
+    b = run_engine_process(model, ems_pool.controller, PROMPT + SUFFIX)  # rank 1's blocks, through the pool
+    assert b["cached"] >= 24 and b["tokens"] == reference[len(PROMPT + SUFFIX)]
+    with LLM(model=model, **kw) as ep:
+        out = ep.generate([{"prompt_token_ids": PROMPT + SUFFIX}], p, use_tqdm=False)[0]
+    assert out.num_cached_tokens >= 24 and out.outputs[0].token_ids == reference[len(PROMPT + SUFFIX)]

@@ -5,28 +5,15 @@ batch) and through the MTP module."""
 
 from __future__ import annotations
 
-import os
-import queue
-import socket
-import traceback
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from matrixinfer.model.context import ForwardContext, forward_context
 from matrixinfer.model.loader import load_model
-from matrixinfer.parallel import (
-    destroy_model_parallel,
-    get_tp_rank,
-    get_tp_size,
-    init_model_parallel,
-    tp_all_gather,
-    tp_all_reduce,
-)
+from matrixinfer.parallel import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
+from matrixinfer.parallel.spawn import run_ranks
 from tests.hf_fixtures import make_checkpoint
 
 BUNDLED = Path(__file__).resolve().parents[2] / "models" / "matrixinfer-tiny-moe"
@@ -78,52 +65,11 @@ def all_logits(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def _rank_main(rank: int, world: int, port: int, paths: list[str], results) -> None:
-    try:
-        torch.set_num_threads(1)
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=TIMEOUT_S))
-        init_model_parallel(world)
-        assert (get_tp_rank(), get_tp_size()) == (rank, world)
-        assert tp_all_reduce(torch.tensor([rank + 1.0])).item() == sum(range(1, world + 1))
-        assert tp_all_gather(torch.tensor([[rank]]), dim=1).tolist() == [list(range(world))]
-        # numpy arrays travel by value: torch tensors would be shared through file descriptors
-        # that vanish when this process exits
-        results.put((rank, {p: {k: v.numpy() for k, v in all_logits(Path(p)).items()} for p in paths}))
-    except BaseException:
-        results.put((rank, traceback.format_exc()))
-    finally:
-        destroy_model_parallel()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def run_ranks(world: int, paths: list[str]) -> dict[int, dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, paths, results), daemon=True) for r in range(world)]
-    try:
-        for p in procs:
-            p.start()
-        out = {}
-        for _ in range(world):
-            try:
-                rank, value = results.get(timeout=TIMEOUT_S)
-            except queue.Empty:
-                pytest.fail(f"tensor-parallel ranks gave no result within {TIMEOUT_S} s")
-            if isinstance(value, str):
-                pytest.fail(f"rank {rank} failed:\n{value}")
-            out[rank] = value
-        return out
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
+def _rank_main(rank: int, world: int, paths: list[str]) -> dict:
+    assert (get_tp_rank(), get_tp_size()) == (rank, world)
+    assert tp_all_reduce(torch.tensor([rank + 1.0])).item() == sum(range(1, world + 1))
+    assert tp_all_gather(torch.tensor([[rank]]), dim=1).tolist() == [list(range(world))]
+    return {p: {k: v.numpy() for k, v in all_logits(Path(p)).items()} for p in paths}
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -137,7 +83,7 @@ def test_two_ranks_give_the_single_process_logits(tmp_path):
         make_checkpoint(tmp_path / variant, variant)
         paths.append(tmp_path / variant)
     torch.set_num_threads(1)
-    ranks = run_ranks(2, [str(p) for p in paths])
+    ranks = run_ranks(_rank_main, 2, [str(p) for p in paths], timeout=TIMEOUT_S)
     for path in paths:
         ref = all_logits(path)
         for rank in (0, 1):

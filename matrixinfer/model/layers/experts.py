@@ -56,6 +56,12 @@ class RoutedExperts(nn.Module):
             target = target.narrow(dim, PIECES.index(piece) * half, half)
         copy_shard(target, loaded_weight, dim, self.tp_rank, self.tp_size)
 
+    def local_of(self, ids: torch.Tensor) -> torch.Tensor:
+        """Global expert ids (-1: none) -> local slots, -1 where the expert is held elsewhere."""
+        if self.local_index.device != ids.device:
+            self.local_index = self.local_index.to(ids.device)
+        return torch.where(ids >= 0, self.local_index[ids.clamp_min(0)], -1)
+
     def path(self, num_tokens: int, top_k: int) -> str:
         """How a batch runs, chosen from shapes alone (so a compiled decode step has no graph
         break): "pairs" gathers each pair's expert weights when that reads fewer weights than
