@@ -254,7 +254,7 @@ def report(results: list[EngineBenchResult]) -> None:
     small = min((r for r in results if r.profile_top_ops), key=lambda r: r.requests, default=results[-1])
     cpu = last.cpu
     profiles = ""
-    for r in dict.fromkeys([small, last]):
+    for r in [small] if small is last else [small, last]:
         if r.profile_top_ops:
             profiles += (f"\nWhere a decode step's time goes at {r.requests} request(s), eager and then compiled "
                          f"(torch.profiler, self CPU time):\n\n"

@@ -17,7 +17,7 @@ from torch import nn
 from matrixinfer.config import ModelConfig
 from matrixinfer.model.attention import MLAttention
 from matrixinfer.model.layers import MLP, QuantizationConfig, ReplicatedLinear, RMSNorm
-from matrixinfer.model.moe import MoE, run_stages
+from matrixinfer.model.moe import MoE
 
 
 class DecoderLayer(nn.Module):
@@ -33,7 +33,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        return run_stages(self.stages(h, rope))
+        # plain code (MoE.forward runs its own stages under EP): the compiled decode step traces it whole
+        h = h + self.self_attn(self.input_layernorm(h), rope)
+        return h + self.mlp(self.post_attention_layernorm(h))
 
     def stages(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
         """forward() as a generator yielding while the MoE's exchanges fly (moe.py)."""
@@ -93,7 +95,11 @@ class DeepseekModel(nn.Module):
                                           prefix=f"model.mtp.{k}") for k in range(n_mtp))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return run_stages(self.stages(input_ids, positions))
+        h = self.embed_tokens(input_ids)
+        rope = self.layers[0].self_attn.rotary.cos_sin(positions, h.dtype)  # same for every layer
+        for layer in self.layers:
+            h = layer(h, rope)
+        return self.norm(h)
 
     def stages(self, input_ids: torch.Tensor, positions: torch.Tensor):
         """forward() as a generator yielding while the MoE layers' exchanges fly (moe.py): the

@@ -78,7 +78,13 @@ class MoE(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return run_stages(self.stages(x))
+        if get_dispatcher() is not None:
+            return run_stages(self.stages(x))
+        # Without expert parallelism: plain code, not the generator, so that a compiled decode
+        # step traces it into one graph (dynamo compiles generator frames piecewise).
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        return self._add_shared(self.experts(x, *self.gate(x)), x, shape)
 
     def stages(self, x: torch.Tensor):
         """forward() as a generator that yields while an expert-parallel exchange is in flight
@@ -89,19 +95,22 @@ class MoE(nn.Module):
         weights, ids = self.gate(x)
         dispatcher = get_dispatcher()
         if dispatcher is None:
-            out = self.experts(x, weights, ids)
-        else:
-            dedicated = bool(dispatcher.shared_ranks) and self.shared_experts is not None
-            pending = dispatcher.dispatch(x, weights, ids, self.experts, self.shared_experts if dedicated else None)
-            yield
-            dispatcher.compute(pending)
-            yield
-            out = dispatcher.combine(pending)
-            if dedicated:  # the shared experts ran on their own ranks; combine brought them back
-                return tp_all_reduce(out).view(shape)
+            return self._add_shared(self.experts(x, weights, ids), x, shape)
+        dedicated = bool(dispatcher.shared_ranks) and self.shared_experts is not None
+        pending = dispatcher.dispatch(x, weights, ids, self.experts, self.shared_experts if dedicated else None)
+        yield
+        dispatcher.compute(pending)
+        yield
+        out = dispatcher.combine(pending)
+        if dedicated:  # the shared experts ran on their own ranks; combine brought them back
+            return tp_all_reduce(out).view(shape)
+        return self._add_shared(out, x, shape)
+
+    def _add_shared(self, routed: torch.Tensor, x: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """The routed experts' partial sum plus the (replicated) shared experts', all-reduced over TP."""
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return tp_all_reduce(out).view(shape)
+            routed = routed + self.shared_experts(x)
+        return tp_all_reduce(routed).view(shape)
 
 
 def run_stages(stages):
