@@ -26,7 +26,9 @@ MIN_TABLE_WIDTH = 2  # width 1 would be specialised by the compiler: pad to 2 (m
 class CompiledDecode:
     def __init__(self, model: DeepseekForCausalLM):
         self.model = model
-        self.forward = torch.compile(model.forward, dynamic=True)
+        # cpp_wrapper: the graph's launcher is C++ too (measured: 0.84 vs 1.00 ms a step at batch
+        # 1, 1.83 vs 2.27 at 8, bundled model, float32, 2 threads)
+        self.forward = torch.compile(model.forward, dynamic=True, options={"cpp_wrapper": True})
         self.compile_s = 0.0
         self.steps = 0  # decode steps served (warm-up included)
 
