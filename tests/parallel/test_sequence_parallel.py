@@ -121,3 +121,62 @@ def test_two_microbatches_equal_one_process(tmp_path):
 def test_four_ranks_equal_one_process(tmp_path):
     make_checkpoint(tmp_path / "v3-noqlora", "v3-noqlora")
     check([BUNDLED, tmp_path / "v3-noqlora"], 4)
+
+
+ENGINE_KW = dict(dtype="float32", block_size=4, max_num_batched_tokens=24)
+
+
+def _engine_identical(path, size: int, **kw) -> None:
+    """An LLM with prefill_parallel sp-tp-sp (chunked prefill, mixed steps, its decode in the
+    same layout continuing from the latents the sequence-parallel prefill wrote, a prefix-cache
+    hit) answers greedily token for token what one process answers; its ranks exit with it."""
+    from matrixinfer import LLM
+    from tests import ranks
+
+    single = LLM(model=path, **ENGINE_KW)
+    prompts = ranks.prompts(single.engine.model_config.vocab_size)
+    before = ranks.children()
+    with LLM(model=path, prefill_parallel="sp-tp-sp", prefill_parallel_size=size, **ENGINE_KW, **kw) as llm:
+        assert len(ranks.children() - before) == size
+        assert ranks.tokens(llm, prompts) == ranks.tokens(single, prompts)
+        assert ranks.tokens(llm, prompts[:1]) == ranks.tokens(single, prompts[:1])  # cached prefix, one request
+    assert not (ranks.children() - before)
+
+
+@pytest.mark.slow
+def test_llm_with_sp_tp_sp_prefill_is_token_identical_to_one_process():
+    _engine_identical(BUNDLED, 2)
+
+
+@pytest.mark.slow
+def test_llm_with_sp_tp_sp_and_two_microbatches_is_token_identical(tmp_path):
+    make_checkpoint(tmp_path / "v3-qlora-yarn", "v3-qlora-yarn")
+    _engine_identical(tmp_path / "v3-qlora-yarn", 2, microbatches=2)
+
+
+def test_prefill_parallel_sets_the_instance_layout():
+    from matrixinfer.config import EngineConfig
+
+    sp = EngineConfig.from_kwargs("m", prefill_parallel="sp-tp-sp", prefill_parallel_size=4).parallel
+    assert (sp.sequence_parallel, sp.world_size, sp.tensor_parallel_size, sp.expert_parallel_size) == (True, 4, 1, 1)
+    tp = EngineConfig.from_kwargs("m", prefill_parallel="tp", prefill_parallel_size=2).parallel
+    assert (tp.sequence_parallel, tp.world_size, tp.tensor_parallel_size) == (False, 2, 2)
+    dp = EngineConfig.from_kwargs("m", prefill_parallel="dp", prefill_parallel_size=2)
+    assert (dp.parallel.expert_parallel_size, dp.cache.enable_prefix_caching) == (2, False)
+    with pytest.raises(ValueError):
+        EngineConfig.from_kwargs("m", prefill_parallel="sp-tp-sp", prefill_parallel_size=2, tensor_parallel_size=2)
+    with pytest.raises(ValueError):
+        EngineConfig.from_kwargs("m", prefill_parallel_size=2)
+
+
+def test_prefill_parallel_flags_of_serve_and_generate():
+    import argparse
+
+    from matrixinfer.config import EngineConfig
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="m")
+    EngineConfig.add_cli_args(p)
+    cfg = EngineConfig.from_cli(p.parse_args(["--prefill-parallel", "sp-tp-sp", "--prefill-parallel-size", "2",
+                                              "--microbatches", "2"]))
+    assert (cfg.parallel.sequence_parallel, cfg.parallel.world_size, cfg.parallel.microbatches) == (True, 2, 2)
