@@ -220,6 +220,7 @@ def main(args) -> int:
     if args.no_write:
         return 0
     info = proj[3]
+    fastest = max(results[1:], key=lambda r: r["tokens_per_s"])
     md = (f"## Prefill parallelism: DP vs TP vs SP-TP-SP\n\n"
           f"`matrixinfer bench prefill` on this machine ({os.cpu_count()} cores): the bundled model "
           f"(float32), {args.batches} batches of {args.prompts} prompts with heavy-tailed lengths (Pareto, "
@@ -228,14 +229,17 @@ def main(args) -> int:
           f"after a warm-up. *slowest / mean busy*: per rank, wall time minus time in collectives (waiting "
           f"for a slower peer counts as communication), the slowest rank's over the mean: 1.0 is a perfect "
           f"balance. *comm share*: the ranks' mean time in collectives over the wall time.\n\n{table}\n\n"
-          f"**What 2 CPU cores can show.** Balance and bytes are properties of the layouts and carry over: "
-          f"DP's slowest rank runs whole long prompts while others idle; SP-TP-SP cuts tokens evenly "
-          f"(balance about 1); TP repeats the down-projections, norms and router on every token on every "
-          f"rank. Throughput does not: with more ranks than cores the ranks time-share two cores, gloo "
-          f"collectives are memory copies through the kernel, and a model with hidden size 256 has "
-          f"little compute to split, so every parallel layout here is slower than one process and the "
-          f"ordering of tokens/s at 4 ranks mostly reflects scheduling noise and communication "
-          f"overheads, not what the paper's NPUs would see. The projection below is the simulator's.\n\n"
+          f"**What {os.cpu_count()} CPU cores can show.** The balance and bytes columns are properties of "
+          f"the layouts: DP's busiest rank runs whole prompts (placed by request count, as the engine "
+          f"places them), SP-TP-SP cuts the tokens evenly, TP repeats the down-projections, norms and "
+          f"router on every token on every rank. Throughput is not the paper's: each rank has one "
+          f"intra-op thread (the one-process row too), so 2 ranks use both cores and 4 ranks time-share "
+          f"them (with whatever else runs on the machine); gloo collectives are memory copies through "
+          f"the kernel that cost about as much as a layer of the bundled model's compute (hidden 256), so "
+          f"the layouts with attention collectives in every layer (TP, SP-TP-SP) pay far more for "
+          f"communication, relative to compute, than NPUs linked by UB would. In this run the fastest "
+          f"parallel layout was {fastest['layout']} at {fastest['ranks']} ranks. The projection below is "
+          f"the simulator's, where compute dominates.\n\n"
           f"**Projected to a 16-die prefill instance** (`sim/prefill.py`: DeepSeek-R1 on CloudMatrix384, INT8, "
           f"EP16, one batch of {info['prompts']} prompts, {info['tokens']} tokens, Pareto lengths 256-32768; "
           f"DP places each prompt on the least-loaded die, balance {info['dp_balance']:.2f}):\n\n{proj_table}\n")
@@ -252,7 +256,7 @@ def _plot(results: list[dict], proj: list[dict]) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    labels = [f"{r['layout']}\nP={r['ranks']}" for r in results]
+    labels = [f"{r['layout'].replace(' (2 microbatches)', ' mb2')}\nP={r['ranks']}" for r in results]
     axes[0].bar(range(len(results)), [r["tokens_per_s"] for r in results])
     axes[0].set_title("prefill tokens/s (this CPU)")
     axes[1].bar(range(len(results)), [r["balance"] for r in results])
