@@ -105,7 +105,8 @@ def test_shards_are_contiguous_and_even():
 @pytest.mark.slow
 def test_two_ranks_equal_one_process_on_oracle_configs_and_the_bundled_model(tmp_path):
     paths = [BUNDLED]
-    for variant in ("v3-qlora-yarn", "v3-noqlora"):  # q_lora + YaRN + noaux_tc; q_proj from x, 2 shared experts
+    # q_lora + YaRN + noaux_tc; q_proj from x with 2 shared experts; V2 greedy (6 experts); V2 group-limited + YaRN
+    for variant in ("v3-qlora-yarn", "v3-noqlora", "v2-greedy", "v2-group-limited-yarn"):
         make_checkpoint(tmp_path / variant, variant)
         paths.append(tmp_path / variant)
     check(paths, 2)
