@@ -250,8 +250,13 @@ class KVTransferConfig:
 
 @dataclass
 class SpeculativeConfig:
-    method: str | None = None  # "mtp" (its own issue)
-    num_speculative_tokens: int = 0
+    method: str | None = None  # "mtp": draft with the model's multi-token-prediction module(s)
+    num_speculative_tokens: int = 0  # k drafts per step (k > MTP modules: the last one is reused)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Drafts per request and step: 0 when speculation is off."""
+        return self.num_speculative_tokens if self.method else 0
 
 
 @dataclass
@@ -350,8 +355,10 @@ class EngineConfig:
             raise ValueError("the ems kv connector needs ems_controller HOST:PORT")
         if self.load_format not in ("disk", "ems"):
             raise ValueError(f"unknown load_format {self.load_format!r} (disk, ems)")
-        if self.speculative.method is not None:
-            raise ValueError("speculative decoding is not built yet")
+        if self.speculative.method not in (None, "mtp"):
+            raise ValueError(f"unknown speculative method {self.speculative.method!r} (supported: mtp)")
+        if self.speculative.method == "mtp" and self.speculative.num_speculative_tokens < 1:
+            raise ValueError("speculative method mtp needs num_speculative_tokens >= 1")
         if self.quantization.method not in (None, "w8a8", "compressed-tensors"):
             raise ValueError(f"unknown quantization {self.quantization.method!r} (w8a8, compressed-tensors); a "
                              "quantized checkpoint is detected from its config.json")
@@ -420,6 +427,9 @@ class EngineConfig:
         p.add_argument("--kv-connector", default=None, choices=["ems"])
         p.add_argument("--ems-controller", default=None, help="HOST:PORT of the EMS controller")
         p.add_argument("--seed", type=int, default=None)
+        p.add_argument("--speculative-method", default=None, choices=["mtp"],
+                       help="speculative decoding: draft with the model's MTP module, verify in one step")
+        p.add_argument("--num-speculative-tokens", type=int, default=1, help="draft tokens per step (with mtp)")
         p.add_argument("--load-format", default="disk", choices=["disk", "ems"],
                        help="ems: instances load weights through the EMS model cache (one copy in the pool)")
         p.add_argument("--model-source-mbps", type=float, default=0.0,
@@ -474,6 +484,9 @@ class EngineConfig:
             kw["enable_prefix_caching"] = False
         if getattr(args, "enforce_eager", None):
             kw["enforce_eager"] = True
+        if getattr(args, "speculative_method", None):
+            kw["speculative_config"] = {"method": args.speculative_method,
+                                        "num_speculative_tokens": args.num_speculative_tokens}
         if args.deployment:
             from matrixinfer.deployment import load_deployment
 

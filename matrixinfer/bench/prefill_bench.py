@@ -242,7 +242,8 @@ def main(args) -> int:
           f"the simulator's, where compute dominates.\n\n"
           f"**Projected to a 16-die prefill instance** (`sim/prefill.py`: DeepSeek-R1 on CloudMatrix384, INT8, "
           f"EP16, one batch of {info['prompts']} prompts, {info['tokens']} tokens, Pareto lengths 256-32768; "
-          f"DP places each prompt on the least-loaded die, balance {info['dp_balance']:.2f}):\n\n{proj_table}\n")
+          f"DP places each prompt on the least-loaded die, mean over max die work {info['dp_balance']:.2f}):\n\n"
+          f"{proj_table}\n\n![prefill](prefill.png)\n")
     write_section("prefill", md)
     save_json("prefill", {"batches": batches, "results": results, "projection": proj})
     _plot(results, proj)

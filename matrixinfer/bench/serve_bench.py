@@ -306,6 +306,7 @@ def main(args) -> int:
     if url is None:
         extra = ["--max-num-seqs", str(args.max_num_seqs)] + (["--dtype", args.dtype] if args.dtype else [])
         extra += [] if args.pdc else ["--colocated"]  # the published numbers are the colocated engine's
+        extra += ["--enforce-eager"] if args.enforce_eager else []
         print(f"starting `matrixinfer serve --model {args.model} {' '.join(extra)}` ...", file=sys.stderr)
         proc, url, tmp = start_server(args.model, extra)
     url = url.rstrip("/")
@@ -333,6 +334,9 @@ def main(args) -> int:
     report = {"model": w.model, "url": args.url or "started by the benchmark", "mode": mode,
               "input_len": args.input_len, "output_len": args.output_len, "seed": args.seed,
               "cpu_count": os.cpu_count(), "results": rows}
+    if args.offline_reference and not args.multi_turn:
+        report["offline"] = offline_reference(args)
+        print(json.dumps(report["offline"]), file=sys.stderr)
     if args.json:
         print(json.dumps(report))
     if not args.no_write:
@@ -342,6 +346,21 @@ def main(args) -> int:
         _plot(rows, plot, f"{w.model}: {mode}, {args.input_len} in / {args.output_len} out tokens")
         _write_section(args.name, name, report, plot)
     return 0 if all(r["failed"] == 0 for r in rows) else 1
+
+
+def offline_reference(args) -> dict:
+    """The same engine offline (`LLM`, core in this process) on the same number of requests of
+    the same lengths, all at once: its median decode step at that batch is the floor a served
+    TPOT is compared with (the server is stopped by then, so the two do not share the CPU)."""
+    from matrixinfer.bench.engine_bench import _requests, run_matrixinfer
+    from matrixinfer.config import ModelConfig
+
+    prompts = _requests(args.num_requests, args.input_len, ModelConfig.from_pretrained(args.model).vocab_size)
+    llm, elapsed, step, _ = run_matrixinfer(args.model, args.dtype or "auto", prompts, args.output_len, False,
+                                            enforce_eager=args.enforce_eager)
+    llm.shutdown()
+    return {"batch": args.num_requests, "decode_step_ms": step * 1e3,
+            "output_tok_s": args.num_requests * args.output_len / elapsed}
 
 
 def _table(report: dict) -> str:
@@ -371,6 +390,14 @@ def _write_section(section: str, name: str, report: dict, plot: Path) -> None:
         md += ["", f"### {rep['mode']}: model `{rep['model']}`, {rep['input_len']} prompt tokens{per_turn}, "
                    f"{rep['output_len']} output tokens; {rep['cpu_count']} CPU cores", "",
                _table(rep), "", f"![latency against load]({mode_name}.png)"]
+        off = rep.get("offline")
+        if off:
+            flat = [r for r in rep["results"] if r["offered_rate"] == float("inf") and r["tpot_p50_s"]]
+            vs = (f" Served all at once (offered rate inf), TPOT p50 is {1e3 * flat[0]['tpot_p50_s']:.2f} ms: "
+                  f"**{1e3 * flat[0]['tpot_p50_s'] / off['decode_step_ms']:.2f}x** the offline step." if flat else "")
+            md += ["", f"The same engine offline (`--offline-reference`: `LLM` on {off['batch']} requests of the same "
+                       f"lengths, all at once): decode step {off['decode_step_ms']:.2f} ms, "
+                       f"{off['output_tok_s']:.0f} output tok/s.{vs}"]
         extra = [r for r in rep["results"] if "prompt_tokens_later_turns_mean" in r]
         if extra:
             md += ["", "First turn against later turns (which resend the history, served from the prefix cache):",
@@ -398,6 +425,10 @@ def add_arguments(p) -> None:
     p.add_argument("--conversations", type=int, default=8, help="conversations per rate (multi-turn)")
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--enforce-eager", action="store_true", help="start the server with eager decode steps")
+    p.add_argument("--offline-reference", action="store_true",
+                   help="also run the same engine offline on --num-requests requests at once; with --rates inf "
+                        "the report compares the served TPOT with the offline decode step at the same batch")
     p.add_argument("--name", default="serve", help="benchmarks/<name>.json and the BENCHMARKS.md section")
     p.add_argument("--no-write", action="store_true")
     p.add_argument("--json", action="store_true", help="print the report as one JSON line")

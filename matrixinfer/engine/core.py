@@ -31,7 +31,8 @@ class EngineCore:
         except BaseException:
             self.executor.shutdown()
             raise
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, connector)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, connector,
+                                   config.speculative.num_draft_tokens)
 
     def add_request(self, r: EngineCoreRequest) -> None:
         """r was validated once, by the front end's Processor."""

@@ -46,6 +46,17 @@ class SchedulerStats:
     steps: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
+    # speculative decoding, as vLLM counts it: verification steps of a request with drafts, drafts
+    # verified, drafts accepted, and accepted per draft position (the i-th draft of a step)
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verification step yields on average: 1 + accepted drafts per step (vLLM's)."""
+        return 1 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
 
 
 @dataclass

@@ -81,6 +81,7 @@ class Request:
         self.kv_load_failed = False  # a connector failed to load: recompute, never ask it again
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
+        self.spec_token_ids: list[int] = []  # drafts for the tokens after the last one (speculative decoding)
         # logprobs of the prompt, when asked; None again once sent with the first output token
         self.prompt_logprobs = PromptLogprobs() if params.prompt_logprobs is not None else None
 

@@ -10,6 +10,13 @@ later (its prefix blocks likely still cached).
 update_from_output(): after the workers ran the step, advance computed counts, append sampled
 tokens, check stops on token ids (eos, stop ids, max_tokens, context), free finished
 requests, and turn failed KV loads into recomputation.
+
+Speculative decoding (MTP): a decode request carries the drafts the workers proposed last step
+(Request.spec_token_ids); it is scheduled with 1 + k query tokens (its last token, then the
+drafts) and slots for them plus k - 1 lookahead slots (the recursive drafts write there). The
+workers return the accepted drafts and one token of the target's own; the computed count then
+covers only the accepted tokens, so a rejected position's slot is simply written again next
+step and block names only ever cover accepted tokens.
 """
 
 from __future__ import annotations
@@ -41,11 +48,17 @@ class ScheduledRequest:
     # prompt tokens they predict (token at start_pos + 1 ...; shorter than token_ids at the prompt's end)
     prompt_logprobs: int | None = None
     next_prompt_token_ids: list[int] | None = None
+    # speculative decoding: the last num_draft of token_ids are drafts to verify; spec: this row
+    # samples by rejection sampling and drafts the next tokens; next_token_id: the known token
+    # after token_ids (a prompt chunk that does not reach the end), what the MTP module reads there
+    num_draft: int = 0
+    spec: bool = False
+    next_token_id: int | None = None
 
 
 @dataclass
 class SchedulerOutput:
-    requests: list[ScheduledRequest]  # the first num_decode are one-token decode rows
+    requests: list[ScheduledRequest]  # the first num_decode are decode rows (one token, plus drafts)
     num_decode: int
     finished_request_ids: list[str] = field(default_factory=list)
     kv_connector_metadata: object | None = None
@@ -64,11 +77,18 @@ class ModelRunnerOutput:
     failed_kv_load_request_ids: set[str] = field(default_factory=set)  # their scheduled tokens did not run
     hidden_states: object | None = None  # [sampling rows, hidden] final hidden states, when asked
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)  # request id -> this chunk's
+    # speculative decoding, per request of request_ids: every token it gained this step (accepted
+    # drafts, then the target's own; sampled_token_ids holds the first) and its next drafts
+    new_token_ids: list[list[int]] | None = None
+    draft_token_ids: list[list[int]] | None = None
 
 
 class Scheduler:
-    def __init__(self, sched: SchedulerConfig, kv: KVCacheManager, max_model_len: int, connector=None):
+    def __init__(self, sched: SchedulerConfig, kv: KVCacheManager, max_model_len: int, connector=None,
+                 num_spec_tokens: int = 0):
         self.max_num_seqs, self.max_num_batched_tokens = sched.max_num_seqs, sched.max_num_batched_tokens
+        self.num_spec_tokens = num_spec_tokens  # k drafts per decode step (0: no speculation)
+        self.lookahead = max(0, num_spec_tokens - 1)  # slots past the step's tokens the drafts write
         self.max_model_len = max_model_len
         self.kv = kv
         self.connector = connector  # scheduler half of a KV connector, or None
@@ -112,6 +132,7 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -120,12 +141,14 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         scheduled: dict[str, int] = {}
+        drafts: dict[str, list[int]] = {}
         # 1. running requests, oldest first; preempt from the tail when blocks run out
         for req in list(self.running):
             if req not in self.running or budget == 0:
                 continue
             want = min(req.num_uncomputed, budget)
-            while not self.kv.allocate_slots(req, want):
+            d = drafts[req.request_id] = self._drafts(req, budget - want) if want == req.num_uncomputed == 1 else []
+            while not self.kv.allocate_slots(req, want + len(d) + self.lookahead):
                 victim = self.running[-1]
                 self._preempt(victim)
                 scheduled.pop(victim.request_id, None)
@@ -134,7 +157,7 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue
             scheduled[req.request_id] = want
-            budget -= want
+            budget -= want + len(d)
         # 2. waiting requests join while there is budget, room and cache
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
@@ -146,7 +169,7 @@ class Scheduler:
                     and req.num_cached_tokens < 0):
                 num_external = self.connector.get_num_new_matched_tokens(req, num_local)
             want = min(req.num_tokens - num_local - num_external, budget)
-            if not self.kv.allocate_slots(req, want, blocks, num_external):
+            if not self.kv.allocate_slots(req, want + self.lookahead, blocks, num_external):
                 if not self.running and not scheduled:
                     raise RuntimeError(f"a request of {req.num_tokens} tokens does not fit in the KV cache "
                                        f"({self.kv.num_blocks} blocks of {self.kv.block_size})")
@@ -166,7 +189,8 @@ class Scheduler:
         # decode rows first: the runner serves them with the batched absorbed-MLA path
         reqs = sorted((r for r in self.running if r.request_id in scheduled),
                       key=lambda r: scheduled[r.request_id] != 1)
-        out = SchedulerOutput([self._scheduled(r, scheduled[r.request_id]) for r in reqs],
+        out = SchedulerOutput([self._scheduled(r, scheduled[r.request_id], drafts.get(r.request_id, []))
+                               for r in reqs],
                               num_decode=sum(1 for r in reqs if scheduled[r.request_id] == 1),
                               finished_request_ids=self.finished_ids)
         self.finished_ids = []
@@ -174,15 +198,32 @@ class Scheduler:
             out.kv_connector_metadata = self.connector.build_connector_meta(out, [self.requests[r.request_id] for r in out.requests])
         return out
 
-    def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
+    def _drafts(self, req: Request, budget: int) -> list[int]:
+        """The drafts a decode request verifies this step: its proposals, as many as fit the
+        budget, the context and max_tokens (a token past those would be dropped anyway)."""
+        p = req.params
+        room = min(budget, self.max_model_len - req.num_tokens)
+        if p.max_tokens is not None:
+            room = min(room, p.max_tokens - len(req.output_token_ids) - 1)
+        return req.spec_token_ids[:max(0, room)]
+
+    def _speculates(self, req: Request) -> bool:
+        """Whether req samples by verification and drafting: sampling that depends on nothing
+        but the logits (logprobs, penalties, logit bias and min_tokens take the plain sampler)."""
+        p = req.params
+        return (self.num_spec_tokens > 0 and p.logprobs is None and not p.has_penalties and not p.logit_bias
+                and len(req.output_token_ids) >= p.min_tokens)
+
+    def _scheduled(self, req: Request, n: int, drafts: list[int] = ()) -> ScheduledRequest:
         start = req.num_computed_tokens
         sample = start + n == req.num_tokens
         penalties = sample and req.params.has_penalties
         s = ScheduledRequest(
-            req.request_id, req.all_token_ids[start:start + n], start, list(req.block_table), sample,
+            req.request_id, req.all_token_ids[start:start + n] + list(drafts), start, list(req.block_table), sample,
             req.params if sample else None,
             req.prompt_token_ids if penalties else None, req.output_token_ids if penalties else None,
-            req.eos_token_ids if sample else ())
+            req.eos_token_ids if sample else (), num_draft=len(drafts), spec=sample and self._speculates(req),
+            next_token_id=None if sample or not self.num_spec_tokens else req.all_token_ids[start + n])
         if req.prompt_logprobs is not None and start < len(req.prompt_token_ids):
             s.prompt_logprobs = req.params.prompt_logprobs
             s.next_prompt_token_ids = req.prompt_token_ids[start + 1:start + n + 1]
@@ -203,9 +244,9 @@ class Scheduler:
                 req.num_external_tokens, req.kv_load_failed = 0, True
                 continue
             req.num_external_tokens = 0
-            n = len(s.token_ids)
+            n = len(s.token_ids) - s.num_draft  # the drafts count as computed once accepted
             is_decode = n == 1 and req.output_token_ids
-            self.stats.decode_tokens += n if is_decode else 0
+            self.stats.decode_tokens += n + s.num_draft if is_decode else 0
             self.stats.prefill_tokens += 0 if is_decode else n
             req.num_computed_tokens += n
             self.kv.cache_full_blocks(req)
@@ -213,17 +254,32 @@ class Scheduler:
                 req.prompt_logprobs.put(s.start_pos, out.prompt_logprobs[s.request_id])
         outputs = []
         logprobs = out.logprobs or [None] * len(out.request_ids)
-        for rid, token, lp in zip(out.request_ids, out.sampled_token_ids, logprobs):
+        new_tokens = out.new_token_ids or [[t] for t in out.sampled_token_ids]
+        drafts = out.draft_token_ids or [[] for _ in out.request_ids]
+        num_draft = {s.request_id: s.num_draft for s in sched.requests}
+        for rid, tokens, lp, draft in zip(out.request_ids, new_tokens, logprobs, drafts):
             req = self.requests.get(rid)
             if req is None or req.is_finished:
                 continue
-            req.output_token_ids.append(token)
-            status = self._check_stop(req, token)
+            if num_draft.get(rid):
+                self._count_acceptance(num_draft[rid], len(tokens) - 1)
+            status, kept = None, []
+            for token in tokens:  # stops are checked token by token: the rest is dropped
+                req.output_token_ids.append(token)
+                kept.append(token)
+                status = self._check_stop(req, token)
+                if status is not None:
+                    break
             if status is not None:
                 self.running.remove(req)
                 self._free(req, status)
+            else:
+                req.num_computed_tokens += len(tokens) - 1  # the accepted drafts' KV is in place
+                req.spec_token_ids = draft
+                if len(tokens) > 1:
+                    self.kv.cache_full_blocks(req)
             outputs.append(EngineCoreOutput(
-                rid, [token], None if lp is None else [lp], None if status is None else status.value,
+                rid, kept, None if lp is None else [lp], None if status is None else status.value,
                 req.stop_reason, num_cached_tokens=max(req.num_cached_tokens, 0), num_preemptions=req.num_preemptions,
                 prompt_logprobs=req.prompt_logprobs))
             req.prompt_logprobs = None  # sent once, with the first token
@@ -241,8 +297,18 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
+    def _count_acceptance(self, num_draft: int, num_accepted: int) -> None:
+        s = self.stats
+        s.spec_num_drafts += 1
+        s.spec_num_draft_tokens += num_draft
+        s.spec_num_accepted_tokens += num_accepted
+        if len(s.spec_accepted_per_pos) < num_draft:
+            s.spec_accepted_per_pos = s.spec_accepted_per_pos + [0] * (num_draft - len(s.spec_accepted_per_pos))
+        for i in range(num_accepted):
+            s.spec_accepted_per_pos[i] += 1
+
     def make_stats(self) -> SchedulerStats:
         s = self.stats
         s.num_running, s.num_waiting, s.kv_cache_usage = len(self.running), len(self.waiting), self.kv.usage
         s.prefix_cache_queries, s.prefix_cache_hits = self.kv.prefix_queries, self.kv.prefix_hits
-        return SchedulerStats(**s.__dict__)
+        return SchedulerStats(**{**s.__dict__, "spec_accepted_per_pos": list(s.spec_accepted_per_pos)})

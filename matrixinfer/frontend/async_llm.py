@@ -158,7 +158,10 @@ class AsyncLLM:
 
         s = self.scheduler_stats()
         return EngineStats(num_running=s.num_running, num_waiting=s.num_waiting, kv_cache_usage=s.kv_cache_usage,
-                           prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits)
+                           prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
+                           spec_num_drafts=s.spec_num_drafts, spec_num_draft_tokens=s.spec_num_draft_tokens,
+                           spec_num_accepted_tokens=s.spec_num_accepted_tokens,
+                           spec_accepted_per_pos=tuple(s.spec_accepted_per_pos))
 
     def scheduler_stats(self):
         """The engine core's last SchedulerStats."""

@@ -74,8 +74,11 @@ class EMSConnectorScheduler(KVConnectorScheduler):
         self._pending = {}
         loaded = {key for pages in meta.loads.values() for _, key in pages}
         for s, req in zip(scheduler_output.requests, requests):
-            end = s.start_pos + len(s.token_ids)
-            full = range(s.start_pos // self.block_size, end // self.block_size)  # blocks this step completes
+            end = s.start_pos + len(s.token_ids) - s.num_draft  # drafts are not KV until accepted
+            first = s.start_pos // self.block_size
+            if s.spec and len(req.output_token_ids) > 1 and s.start_pos % self.block_size == 0:
+                first -= 1  # a block the last step's accepted drafts completed (saved once: see _saved)
+            full = range(first, end // self.block_size)  # blocks this step completes
             if not full:
                 continue
             hashes = self.kv.request_block_hashes(req, full.stop)

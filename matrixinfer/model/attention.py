@@ -184,21 +184,46 @@ class MLAttention(nn.Module):
         return out.transpose(-3, -2)
 
     def _attend_absorbed(self, q_nope, q_pe, latents, lens) -> torch.Tensor:
-        """q_*: [S, H, *] one query per sequence; latents: [S, T, rank + rope]; lens: [S]. Returns [S, H, v]."""
+        """q_*: [S, H, *] one query per sequence; latents: [S, T, rank + rope]; lens: [S]. Returns [S, H, v].
+        Several queries per sequence (speculative verification): q_* [S, Q, H, *] and lens [S, Q],
+        the keys each query sees; the queries are folded into the head dimension. Returns [S, Q, H, v]."""
+        if q_nope.dim() == 4:
+            s, nq, h = q_nope.shape[:3]
+            out = self._attend_absorbed(q_nope.flatten(1, 2), q_pe.flatten(1, 2), latents,
+                                        lens.repeat_interleave(h, dim=1))
+            return out.unflatten(1, (nq, h))
         w_uk, w_uv = self._w_uk_uv()
+        if q_nope.shape[1] != self.n_heads:  # queries folded into heads
+            w_uk, w_uv = (w.repeat(q_nope.shape[1] // self.n_heads, 1, 1) for w in (w_uk, w_uv))
         q_lat = torch.einsum("shd,hdr->shr", q_nope, w_uk)
         q = torch.cat([q_lat, q_pe], dim=-1)  # [S, H, rank + rope]
         scores = torch.bmm(q, latents.transpose(1, 2)).float() * self.scale  # [S, H, T]
-        valid = torch.arange(latents.shape[1], device=q.device)[None, :] < lens[:, None]
-        scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+        valid = torch.arange(latents.shape[1], device=q.device)[None, :] < lens[..., None]  # [S, T] or [S, H, T]
+        scores = scores.masked_fill(~valid[:, None, :] if lens.dim() == 1 else ~valid, float("-inf"))
         probs = scores.softmax(dim=-1).to(q.dtype)
         o_lat = torch.bmm(probs, latents[..., : self.kv_lora_rank])  # [S, H, rank]
         return torch.einsum("shr,hvr->shv", o_lat, w_uv)
 
+    def forward_rows(self, x: torch.Tensor, rope, rows: torch.Tensor | None,
+                     rows_ctx: ForwardContext | None) -> torch.Tensor | None:
+        """Write the latent KV of every token of x (at the current context's slots), but attend
+        only for `rows`, one query each under rows_ctx (a decode context over the same cache):
+        the MTP module drafts from one row per sequence and needs the other rows' KV only.
+        rows None: write the KV, attend for nothing."""
+        q_nope, q_pe, c_kv, k_pe = self.prolog(x, rope)
+        self._write_kv(get_context().slot_mapping, c_kv, k_pe)
+        if rows is None:
+            return None
+        with_rows = self._forward_paged(rows_ctx, q_nope[rows], q_pe[rows], c_kv[rows], k_pe[rows])
+        return self.o_proj(with_rows.flatten(-2))
+
     # -- paged path -----------------------------------------------------------------------------
+    def _write_kv(self, slot_mapping: torch.Tensor, c_kv, k_pe) -> None:
+        write_latents(self.kv_cache, slot_mapping, torch.cat([c_kv, k_pe], dim=-1))
+
     def _forward_paged(self, ctx: ForwardContext, q_nope, q_pe, c_kv, k_pe) -> torch.Tensor:
         cache = self.kv_cache
-        write_latents(cache, ctx.slot_mapping, torch.cat([c_kv, k_pe], dim=-1))
+        self._write_kv(ctx.slot_mapping, c_kv, k_pe)
         if ctx.decode_only:
             # Every sequence has one new token: shapes come from the tensors alone (the block
             # table is padded by the runner), so this path has no host syncs and compiles once.
@@ -211,8 +236,15 @@ class MLAttention(nn.Module):
             max_len = max(ctx.context_lens[:nd])
             n_blocks = -(-max_len // cache.shape[1])
             latents = cache[tables[:, :n_blocks]].flatten(1, 2)  # [S, n_blocks*block_size, D]
-            out[:nd] = self._attend_absorbed(q_nope[:nd], q_pe[:nd], latents, ctx.context_lens_tensor[:nd])
-        start = nd
+            if ctx.decode_query_len == 1:
+                out[:nd] = self._attend_absorbed(q_nope[:nd], q_pe[:nd], latents, ctx.context_lens_tensor[:nd])
+            else:  # k + 1 queries per sequence (speculative verification), causal among themselves
+                pad, nt = ctx.decode_pad_index, ctx.num_decode_tokens
+                qn, qp = (q_nope[:nt], q_pe[:nt]) if pad is None else (q_nope[pad], q_pe[pad])
+                o = self._attend_absorbed(qn.unflatten(0, (nd, -1)), qp.unflatten(0, (nd, -1)), latents,
+                                          ctx.decode_lens).flatten(0, 1)
+                out[:nt] = o if pad is None else o[ctx.decode_unpad_index]
+        start = ctx.num_decode_tokens
         for i in range(nd, len(ctx.query_lens)):
             q_len, ctx_len = ctx.query_lens[i], ctx.context_lens[i]
             n_blocks = -(-ctx_len // cache.shape[1])

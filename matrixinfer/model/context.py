@@ -20,8 +20,9 @@ if TYPE_CHECKING:
 
 @dataclass
 class ForwardContext:
-    # Tokens are flattened: the first `num_decode_seqs` sequences contribute exactly one token
-    # each (served by the weight-absorbed MLA path), the rest are prefill chunks.
+    # Tokens are flattened: the first `num_decode_seqs` sequences are decode rows (one token
+    # each, or 1 + drafts when speculating), served by the weight-absorbed MLA path; the rest
+    # are prefill chunks.
     query_lens: list[int]
     context_lens: list[int]  # tokens in cache for each sequence after this step
     slot_mapping: torch.Tensor  # [num_tokens] flat cache slot of each new token
@@ -34,6 +35,21 @@ class ForwardContext:
     # SP-TP-SP (parallel/sequence.py): the model runs on this rank's slice of the tokens above;
     # attention gathers all of them for its heads and scatters the result back.
     sp: "SequenceShards | None" = None
+    # Speculative verification: decode sequences carry up to Q = decode_query_len queries each
+    # (the last token and its drafts). The absorbed path pads them to [S, Q]: decode_pad_index
+    # [S*Q] picks each padded query's token (padding repeats a real one), decode_unpad_index
+    # [decode tokens] each token's padded place (both None when every row has Q tokens),
+    # decode_lens [S, Q] the keys each query sees.
+    decode_query_len: int = 1
+    decode_pad_index: torch.Tensor | None = None
+    decode_unpad_index: torch.Tensor | None = None
+    decode_lens: torch.Tensor | None = None
+
+    @property
+    def num_decode_tokens(self) -> int:
+        if self.decode_query_len == 1:
+            return self.num_decode_seqs
+        return sum(self.query_lens[: self.num_decode_seqs])
 
 
 _CONTEXT: ForwardContext | None = None

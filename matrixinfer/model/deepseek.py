@@ -68,6 +68,18 @@ class MTPLayer(DecoderLayer):
         rope = self.self_attn.rotary.cos_sin(positions, h.dtype)
         return self.shared_head.norm(super().forward(h, rope))
 
+    def forward_rows(self, h_prev, next_embeds, positions, rows, rows_ctx):
+        """forward() where only `rows` are wanted (paged path, drafting): every position writes
+        its latent KV, attention, MLP and the head norm run for rows only (see
+        MLAttention.forward_rows). rows None: the KV only; returns None."""
+        h = self.eh_proj(torch.cat([self.enorm(next_embeds), self.hnorm(h_prev)], dim=-1))
+        rope = self.self_attn.rotary.cos_sin(positions, h.dtype)
+        attn = self.self_attn.forward_rows(self.input_layernorm(h), rope, rows, rows_ctx)
+        if rows is None:
+            return None
+        h = h[rows] + attn
+        return self.shared_head.norm(h + self.mlp(self.post_attention_layernorm(h)))
+
 
 class DeepseekModel(nn.Module):
     def __init__(self, cfg: ModelConfig, expert_ids: list[int] | None = None, with_mtp: bool = True,
@@ -127,6 +139,11 @@ class DeepseekForCausalLM(nn.Module):
         model's final hidden states for depth 0), the tokens t_{i+1} and their positions i+1.
         Returns the module's hidden states; compute_logits() of them predicts t_{i+2}."""
         return self.model.mtp[depth](hidden, self.model.embed_tokens(next_ids), positions)
+
+    def mtp_draft(self, hidden, next_ids, positions, rows=None, rows_ctx=None, depth: int = 0):
+        """mtp_forward for drafting under a paged context: the MTP module's KV for every token,
+        its hidden states only at `rows` (one per sequence, attending under rows_ctx)."""
+        return self.model.mtp[depth].forward_rows(hidden, self.model.embed_tokens(next_ids), positions, rows, rows_ctx)
 
     @property
     def quantized(self) -> bool:

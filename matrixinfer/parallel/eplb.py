@@ -204,7 +204,9 @@ class ExpertBalancer:
         self.steps += 1
         if self.interval and self.steps % self.interval == 0:
             load = self.group.all_reduce(self.window.sum(0))
-            self._apply([rebalance(row.tolist(), self.group.size, self.num_redundant) for row in load])
+            # a layer that saw no tokens in the window keeps its placement
+            self._apply([rebalance(row.tolist(), self.group.size, self.num_redundant) if row.any() else old
+                         for row, old in zip(load, self.placements)])
 
     def _apply(self, placements: list[Placement]) -> None:
         for moe, old, new in zip(self.layers, self.placements, placements):

@@ -252,8 +252,13 @@ class PDCClient(AsyncLLM):
         total = SchedulerStats()
         for s in live:
             for k in ("num_running", "num_waiting", "prefix_cache_queries", "prefix_cache_hits", "external_cache_hits",
-                      "num_preemptions", "steps", "prefill_tokens", "decode_tokens"):
+                      "num_preemptions", "steps", "prefill_tokens", "decode_tokens", "spec_num_drafts",
+                      "spec_num_draft_tokens", "spec_num_accepted_tokens"):
                 setattr(total, k, getattr(total, k) + getattr(s, k))
+            n = max(len(total.spec_accepted_per_pos), len(s.spec_accepted_per_pos))
+            pad = lambda v: list(v) + [0] * (n - len(v))  # noqa: E731
+            total.spec_accepted_per_pos = [a + b for a, b in zip(pad(total.spec_accepted_per_pos),
+                                                                  pad(s.spec_accepted_per_pos))]
         total.kv_cache_usage = max((s.kv_cache_usage for s in live), default=0.0)
         return total
 

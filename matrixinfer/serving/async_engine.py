@@ -34,6 +34,11 @@ class EngineStats:
     kv_cache_usage: float = 0.0  # fraction of KV cache blocks in use, 0..1
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of which found
+    # speculative decoding (MTP): verification steps with drafts, drafts, accepted drafts, per position
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
 
 class EngineClient(Protocol):

@@ -35,8 +35,31 @@ class _EngineCollector:
             c = CounterMetricFamily(P + name, doc, labels=["model_name"])
             c.add_metric(model, value)
             yield c
+        if s.spec_num_drafts:
+            yield from _spec_decode_metrics(s, model)
         if hasattr(self.engine, "role_stats"):  # a PDC front end: per-role instances and the hand-off
             yield from _pdc_metrics(self.engine, model[0])
+
+
+def _spec_decode_metrics(s, model: list[str]):
+    """vLLM's speculative-decoding counters, and the mean acceptance length (tokens per step)."""
+    for name, doc, value in [
+        ("spec_decode_num_drafts", "Verification steps of a request with drafts.", s.spec_num_drafts),
+        ("spec_decode_num_draft_tokens", "Draft tokens verified.", s.spec_num_draft_tokens),
+        ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.spec_num_accepted_tokens),
+    ]:
+        c = CounterMetricFamily(P + name, doc, labels=["model_name"])
+        c.add_metric(model, value)
+        yield c
+    c = CounterMetricFamily(P + "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, per draft "
+                            "position.", labels=["model_name", "position"])
+    for pos, value in enumerate(s.spec_accepted_per_pos):
+        c.add_metric([*model, str(pos)], value)
+    yield c
+    g = GaugeMetricFamily(P + "spec_decode_mean_acceptance_length", "Tokens a verification step yields on "
+                          "average: 1 + accepted drafts per step.", labels=["model_name"])
+    g.add_metric(model, 1 + s.spec_num_accepted_tokens / s.spec_num_drafts)
+    yield g
 
 
 # name -> (kind, help, key of Instance.info())

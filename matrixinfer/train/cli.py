@@ -26,6 +26,15 @@ def _eval(args) -> int:
     return 0
 
 
+def _distill(args) -> int:
+    from matrixinfer.train.distill import run
+
+    r = run(Path(args.model), Path(args.out), args.steps, args.batch_size, args.seq_len, args.lr, args.threads)
+    print(f"MTP agreement with the main model's next-next token (held-out): {r['before']:.4f} -> {r['after']:.4f}; "
+          f"{r['replaced_tensors']} MTP tensors rewritten into {args.out}")
+    return 0
+
+
 def register(sub, bench_sub) -> None:
     from matrixinfer.train.tiny import DEFAULT_OUT, TrainConfig
 
@@ -45,6 +54,17 @@ def register(sub, bench_sub) -> None:
     p.add_argument("--mtp-weight", type=float, default=d.mtp_weight)
     p.add_argument("--fp32", action="store_true", help="no bf16 autocast")
     p.set_defaults(func=_train)
+
+    m = sub.add_parser("distill-mtp", help="self-distil the MTP module (main model frozen) towards the main "
+                       "model's own next-next token; writes a copy of the model with only the MTP tensors changed")
+    m.add_argument("--model", default=str(DEFAULT_OUT))
+    m.add_argument("--out", required=True, help="output model directory (a copy of --model)")
+    m.add_argument("--steps", type=int, default=300)
+    m.add_argument("--batch-size", type=int, default=8)
+    m.add_argument("--seq-len", type=int, default=256)
+    m.add_argument("--lr", type=float, default=5e-4)
+    m.add_argument("--threads", type=int, default=1)
+    m.set_defaults(func=_distill)
 
     e = sub.add_parser("eval-tiny", help="held-out metrics of the tiny model; writes eval.json, the curve and README.md")
     e.add_argument("--model", default=str(DEFAULT_OUT))

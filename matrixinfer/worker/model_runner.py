@@ -12,13 +12,18 @@ from matrixinfer.model.context import ForwardContext, forward_context
 from matrixinfer.model.deepseek import DeepseekForCausalLM
 from matrixinfer.worker.compiled_decode import MIN_TABLE_WIDTH, CompiledDecode
 from matrixinfer.worker.sampler import SamplingRow, sample
+from matrixinfer.worker.spec_decode import SpecBatch, add_decode_queries, draft_context, verify
 
 
 class ModelRunner:
     def __init__(self, model: DeepseekForCausalLM, num_blocks: int, block_size: int, device: torch.device,
-                 compiled_decode: CompiledDecode | None = None):
+                 compiled_decode: CompiledDecode | None = None, num_spec_tokens: int = 0):
         self.model, self.device, self.block_size = model, device, block_size
         self.compiled_decode = compiled_decode  # None: every step eager
+        self.num_spec_tokens = num_spec_tokens  # MTP drafts per step (0: no speculative decoding)
+        if num_spec_tokens and not len(model.model.mtp):
+            raise ValueError("speculative method mtp needs a checkpoint with an MTP module (num_nextn_predict_layers "
+                             "> 0 and its weights): this one has none")
         dtype = model.lm_head.weight.dtype  # the model dtype (the router alone stays float32)
         layers = model.attention_layers()
         # One tensor for all layers: [layers, blocks, block_size, kv_lora_rank + rope]
@@ -70,7 +75,9 @@ class ModelRunner:
         reqs = [r for r in sched.requests if r.request_id not in skip]
         if not reqs:
             return ModelRunnerOutput([], [], failed_kv_load_request_ids=set(skip)) if driver else None
-        num_decode = sum(1 for r in reqs[: sched.num_decode] if len(r.token_ids) == 1)
+        num_decode = sum(1 for r in reqs[: sched.num_decode] if len(r.token_ids) == 1 + r.num_draft)
+        if self.num_spec_tokens:
+            return self._execute_spec(reqs, num_decode, skip, driver)
         sampling = [(i, r) for i, r in enumerate(reqs) if r.sample]
         hidden_all = self.run(reqs, num_decode)
         if not driver:
@@ -79,11 +86,18 @@ class ModelRunner:
         if not sampling:
             return ModelRunnerOutput([], [], failed_kv_load_request_ids=set(skip), prompt_logprobs=prompt_logprobs)
         hidden = hidden_all[self._last_rows(reqs)[[i for i, _ in sampling]]]
-        logits = self.model.compute_logits(hidden)
-        rows = [SamplingRow(r.params, r.prompt_token_ids or [], r.output_token_ids or [], self._generator(r),
-                            r.eos_token_ids) for _, r in sampling]
-        out = sample(logits, rows)
+        out = self._sample(self.model.compute_logits(hidden), [r for _, r in sampling])
         tokens = out.token_ids.tolist()
+        return ModelRunnerOutput([r.request_id for _, r in sampling], tokens, self._logprobs(out, tokens, sampling),
+                                 set(skip), hidden.cpu() if sched.return_hidden_states else None, prompt_logprobs)
+
+    def _sample(self, logits: torch.Tensor, reqs: list[ScheduledRequest]):
+        rows = [SamplingRow(r.params, r.prompt_token_ids or [], r.output_token_ids or [], self._generator(r),
+                            r.eos_token_ids) for r in reqs]
+        return sample(logits, rows)
+
+    @staticmethod
+    def _logprobs(out, tokens: list[int], sampling) -> list[Logprob | None] | None:
         logprobs = None
         if out.logprobs is not None:
             lps = out.logprobs.tolist()
@@ -97,8 +111,65 @@ class ModelRunner:
                     continue
                 top = dict(zip(top_ids[j][:k], top_vals[j][:k])) if k else {}
                 logprobs.append(Logprob(tokens[j], lps[j], top))
-        return ModelRunnerOutput([r.request_id for _, r in sampling], tokens, logprobs, set(skip),
-                                 hidden.cpu() if sched.return_hidden_states else None, prompt_logprobs)
+        return logprobs
+
+    def _execute_spec(self, reqs: list[ScheduledRequest], num_decode: int, skip, driver: bool):
+        """A step with MTP speculation: verify the drafts, accept on the device, draft the next
+        tokens with the MTP module, then one transfer to the host (spec_decode.py). Every rank
+        runs all of it: the MTP layer is tensor-parallel too, so every rank needs its inputs."""
+        k, bs = self.num_spec_tokens, self.block_size
+        b = SpecBatch.build(reqs, self.model.config.vocab_size, self.device, self._generator)
+        ids, pos, ctx = self.prepare(reqs, num_decode)
+        add_decode_queries(ctx, reqs, self.device)
+        plain = [(i, r) for i, r in enumerate(reqs) if r.sample and not r.spec]
+        with forward_context(ctx):
+            hidden = self.model(ids, pos)
+            mtp_ids = b.shifted_ids.clone()
+            if len(b.rows):
+                tokens, accepted = verify(self.model.compute_logits(hidden[b.rows]), b)
+                mtp_ids[b.rows] = tokens
+            plain_out = None
+            if plain:
+                plain_out = self._sample(self.model.compute_logits(hidden[b.plain_rows]), [r for _, r in plain])
+                mtp_ids[b.plain_rows] = plain_out.token_ids
+            # the MTP module: its KV at every position of the step; attention, MLP and head only
+            # at each speculating request's last accepted row, where it drafts from
+            at = b.first_token + accepted if len(b.rows) else None
+            p = pos[at] if at is not None else None
+            h = self.model.mtp_draft(hidden, mtp_ids, pos + 1, at,
+                                     draft_context(ctx, b, p, reqs, 0, bs) if at is not None else None)
+        drafts = []
+        if at is not None:
+            for depth in range(k):
+                drafts.append(self.model.compute_logits(h).argmax(-1))
+                if depth + 1 < k:  # the MTP layer again, one position further, on its own output
+                    with forward_context(draft_context(ctx, b, p, reqs, depth + 1, bs)):
+                        h = self.model.mtp_forward(h, drafts[-1], p + depth + 2,
+                                                   depth=min(depth + 1, len(self.model.model.mtp) - 1))
+        if not driver:
+            return None
+        # the step's one device-to-host transfer
+        parts = [tokens, accepted, *drafts] if len(b.rows) else []
+        parts += [plain_out.token_ids] if plain else []
+        host = torch.cat(parts).tolist() if parts else []
+        r_, s_ = len(b.rows), len(b.num_rows)
+        row_tokens, n_acc = host[:r_], host[r_:r_ + s_]
+        draft_lists = [host[r_ + s_ + d * s_: r_ + s_ + (d + 1) * s_] for d in range(k)] if s_ else []
+        plain_tokens = host[r_ + s_ + k * s_:] if s_ else host
+        by_index = {}
+        for s, i in enumerate(b.host_req_index):
+            start = b.row_start[s]
+            by_index[i] = (row_tokens[start:start + n_acc[s] + 1], [dl[s] for dl in draft_lists], None)
+        plain_lps = self._logprobs(plain_out, plain_tokens, plain) if plain else None
+        for j, (i, _) in enumerate(plain):
+            by_index[i] = ([plain_tokens[j]], [], plain_lps[j] if plain_lps else None)
+        order = sorted(by_index)
+        new = [by_index[i][0] for i in order]
+        lps = [by_index[i][2] for i in order]
+        return ModelRunnerOutput([reqs[i].request_id for i in order], [t[0] for t in new],
+                                 lps if any(lp is not None for lp in lps) else None, set(skip),
+                                 prompt_logprobs=self.prompt_logprobs(reqs, hidden), new_token_ids=new,
+                                 draft_token_ids=[by_index[i][1] for i in order])
 
     @torch.inference_mode()
     def run(self, reqs: list[ScheduledRequest], num_decode: int) -> torch.Tensor:

@@ -34,22 +34,24 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None = None
 
 
-def filter_logits(logits: torch.Tensor, temperature, top_k, top_p, min_p) -> torch.Tensor:
+def filter_logits(logits: torch.Tensor, temperature, top_k, top_p, min_p, truncate: bool | None = None) -> torch.Tensor:
     """Logits [S, V] (or [V]) -> temperature-scaled logits with excluded tokens at -inf. The
-    parameters are floats/ints or per-row tensors [S]; top_k <= 0 and top_p >= 1 disable."""
+    parameters are floats/ints or per-row tensors [S]; top_k <= 0 and top_p >= 1 disable.
+    truncate: whether some row filters by top-k / top-p / min-p, when the caller knows (None:
+    find out from the tensors, which waits for the device)."""
     squeeze = logits.dim() == 1
     if squeeze:
         logits = logits[None]
     s, v = logits.shape
     col = lambda x, dt: torch.as_tensor(x, dtype=dt, device=logits.device).expand(s)[:, None]  # noqa: E731
     logits = logits / col(temperature, logits.dtype)
-    if min_p is not None and bool((torch.as_tensor(min_p) > 0).any()):
+    if min_p is not None and (truncate if truncate is not None else bool((torch.as_tensor(min_p) > 0).any())):
         probs = logits.softmax(-1)
         logits = logits.masked_fill(probs < col(min_p, logits.dtype) * probs.amax(-1, keepdim=True), float("-inf"))
     k = col(top_k, torch.long)
     k = torch.where((k <= 0) | (k > v), v, k)
     p = col(top_p, logits.dtype)
-    if bool((k < v).any()) or bool((p < 1).any()):
+    if truncate if truncate is not None else (bool((k < v).any()) or bool((p < 1).any())):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         rank = torch.arange(v, device=logits.device)[None]
         drop = rank >= k

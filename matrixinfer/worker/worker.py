@@ -21,17 +21,20 @@ log = logging.getLogger(__name__)
 
 def num_kv_blocks(config: EngineConfig, model, max_model_len: int) -> int:
     """Blocks for max_num_seqs sequences of max_model_len, capped by kv_cache_memory_gb. Every
-    rank computes the same number from the same inputs."""
+    rank computes the same number from the same inputs. With k > 1 MTP drafts a sequence also
+    holds k - 1 lookahead slots (the recursive drafts write there)."""
     cache = config.cache
+    seq_slots = max_model_len + max(0, config.speculative.num_draft_tokens - 1)
     if cache.num_blocks is not None:
         n = cache.num_blocks
     else:
         per_block = ModelRunner.cache_bytes_per_block(model, cache.block_size)
-        wanted = config.scheduler.max_num_seqs * -(-max_model_len // cache.block_size)
+        wanted = config.scheduler.max_num_seqs * -(-seq_slots // cache.block_size)
         n = max(1, min(wanted, int(cache.kv_cache_memory_gb * 2**30) // per_block))
-    if n * cache.block_size < max_model_len:
+    if n * cache.block_size < seq_slots:
         raise ValueError(f"KV cache of {n} blocks x {cache.block_size} tokens cannot hold one sequence of "
-                         f"max_model_len={max_model_len}")
+                         f"max_model_len={max_model_len}" + (f" and its {seq_slots - max_model_len} lookahead slots"
+                                                             if seq_slots > max_model_len else ""))
     return n
 
 
@@ -101,8 +104,10 @@ class Worker:
             return SequenceParallelRunner(self.model, self.num_blocks, block_size, self.device, get_sp_group(),
                                           self._dispatcher(get_sp_group()), par.microbatches)
         if self.config.parallel.expert_parallel_size == 1:
-            compiled = None if self.config.enforce_eager else CompiledDecode(self.model)
-            runner = ModelRunner(self.model, self.num_blocks, block_size, self.device, compiled)
+            # a speculating runner's decode steps verify k + 1 tokens per sequence: they run eagerly
+            spec = self.config.speculative.num_draft_tokens
+            compiled = None if self.config.enforce_eager or spec else CompiledDecode(self.model)
+            runner = ModelRunner(self.model, self.num_blocks, block_size, self.device, compiled, spec)
             if compiled is not None:  # compile now (the cache exists), not on the first request
                 compiled.warm_up(self.config.scheduler.max_num_seqs, self.device)
             return runner

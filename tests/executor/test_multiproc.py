@@ -57,3 +57,20 @@ def test_a_dead_rank_is_an_error_not_a_hang_and_leaves_no_process():
     finally:
         llm.shutdown()
     assert not (ranks.children() - before)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2_with_mtp_speculation_is_token_identical():
+    """Every rank verifies, accepts and drafts (the MTP layer is tensor-parallel too): greedy
+    output at TP=2 with MTP drafts equals one process without them, and seeded sampling equals
+    one process with them (the ranks draw the same random numbers)."""
+    kw = dict(dtype="float32", block_size=4, max_num_batched_tokens=24)
+    mtp = {"method": "mtp", "num_speculative_tokens": 2}
+    prompts = ranks.prompts(1000)
+    expected = ranks.tokens(LLM(**kw), prompts)
+    seeded = SamplingParams(temperature=0.8, seed=11, max_tokens=16, ignore_eos=True)
+    spec_seeded = ranks.tokens(LLM(speculative_config=mtp, **kw), prompts, seeded)
+    with LLM(tensor_parallel_size=2, speculative_config=mtp, **kw) as tp:
+        assert ranks.tokens(tp, prompts) == expected
+        assert ranks.tokens(tp, prompts, seeded) == spec_seeded
+        assert tp.engine.stats.spec_num_accepted_tokens > 0

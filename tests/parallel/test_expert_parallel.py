@@ -70,6 +70,13 @@ def test_dedicated_shared_expert_rank_is_token_identical(uneven):
 
 
 @pytest.mark.slow
+def test_dedicated_shared_experts_compose_with_tp2(uneven):
+    """Four processes: EP group t of replica 0 holds every routed expert's TP shard t, that of
+    replica 1 the shared experts' TP shard t; partial sums meet in each replica's all-reduce."""
+    _check_identical(uneven, 2, tp=2, shared_expert_placement="dedicated")
+
+
+@pytest.mark.slow
 def test_ep2_with_redundant_experts_rebalanced_every_step_is_token_identical():
     _check_identical(DEFAULT_MODEL, 2, num_redundant_experts=2, eplb_interval=1, eplb_window=4)
 

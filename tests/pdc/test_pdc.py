@@ -244,3 +244,26 @@ def test_a_killed_ems_server_costs_recomputation_not_requests(stack, reference):
         assert _complete(server, p + " ", headers=auth)[0] == reference[p + " "]
     assert client.scheduler_stats().external_cache_hits == before
     assert _idle(client)
+
+
+def test_decode_instances_speculate_with_mtp_and_keep_greedy_output(tmp_path):
+    """Prefill and decode instances with MTP speculation (the bundled model ships an MTP
+    module): the decode instance drafts from the KV it loaded and the text equals the colocated
+    engine's without speculation; the acceptance counters reach the front end."""
+    from matrixinfer.config import DEFAULT_MODEL
+
+    reference = Reference(DEFAULT_MODEL)
+    client = _stack(DEFAULT_MODEL, prefill=1, decode=1,
+                    speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    server, tenants, ledger = _serve(client, tmp_path)
+    try:
+        for p in PROMPTS[:2]:
+            assert _complete(server, p)[0] == reference[p]
+        stats = client.scheduler_stats()
+        assert stats.external_cache_hits > 0 and stats.spec_num_accepted_tokens > 0
+        assert "matrixinfer:spec_decode_num_drafts_total" in httpx.get(server.url + "/metrics").text
+    finally:
+        server.stop()
+        tenants.close()
+        ledger.close()
+        client.shutdown()

@@ -80,3 +80,16 @@ def test_asking_for_w8a8_on_a_float_checkpoint_is_a_clear_error(quantized):
     src, _ = quantized
     with pytest.raises(ValueError, match="matrixinfer quantize"):
         LLM(model=str(src), dtype="float32", quantization="w8a8")
+
+
+@pytest.mark.slow
+def test_expert_parallel_serves_the_int8_checkpoint_like_one_process(quantized):
+    """EP=2 over the W8A8 checkpoint, with redundant experts rebalanced every step (int8
+    weights and their scales move between ranks): the same greedy tokens as one process."""
+    _, out = quantized
+    kw = dict(model=str(out), dtype="float32", block_size=4, enable_prefix_caching=False)
+    prompts = [{"prompt_token_ids": IDS[i, :n].tolist()} for i, n in ((0, 8), (1, 13), (0, 19))]
+    p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in LLM(**kw).generate(prompts, p, use_tqdm=False)]
+    with LLM(expert_parallel_size=2, dispatch_dtype="float32", num_redundant_experts=2, eplb_interval=1, **kw) as ep:
+        assert [o.outputs[0].token_ids for o in ep.generate(prompts, p, use_tqdm=False)] == expected

@@ -126,3 +126,22 @@ def test_a_killed_engine_core_process_fails_requests_instead_of_hanging(text_che
         tenants.close()
         ledger.close()
         engine.shutdown()
+
+
+class SpeculatingEngine(EchoEngine):
+    def stats(self):
+        return EngineStats(spec_num_drafts=10, spec_num_draft_tokens=20, spec_num_accepted_tokens=13,
+                           spec_accepted_per_pos=(8, 5))
+
+
+def test_speculative_decoding_counters_in_metrics(echo_server):
+    """vLLM's spec-decode counters (drafts, draft tokens, accepted, accepted per position) and the
+    mean acceptance length appear once an engine speculates."""
+    text = httpx.get(echo_server(SpeculatingEngine()).url + "/metrics").text
+    for line in ['matrixinfer:spec_decode_num_drafts_total{model_name="echo"} 10.0',
+                 'matrixinfer:spec_decode_num_draft_tokens_total{model_name="echo"} 20.0',
+                 'matrixinfer:spec_decode_num_accepted_tokens_total{model_name="echo"} 13.0',
+                 'matrixinfer:spec_decode_num_accepted_tokens_per_pos_total{model_name="echo",position="1"} 5.0',
+                 'matrixinfer:spec_decode_mean_acceptance_length{model_name="echo"} 2.3']:
+        assert line in text
+    assert "spec_decode" not in httpx.get(echo_server(EchoEngine()).url + "/metrics").text
