@@ -96,6 +96,16 @@ def check(paths: list[Path], world: int, microbatches: int = 1) -> None:
                 assert err < 1e-4, f"{path.name} rank {rank} {key}: relative error {err:.2e}"
 
 
+def oracle_and_bundled(tmp_path: Path) -> list[Path]:
+    """The bundled model and the four oracle configs: V3 with q LoRA + YaRN + noaux_tc; V3 with
+    q_proj from the hidden state and 2 shared experts; V2 greedy (6 experts); V2 group-limited + YaRN."""
+    paths = [BUNDLED]
+    for variant in ("v3-qlora-yarn", "v3-noqlora", "v2-greedy", "v2-group-limited-yarn"):
+        make_checkpoint(tmp_path / variant, variant)
+        paths.append(tmp_path / variant)
+    return paths
+
+
 def test_shards_are_contiguous_and_even():
     assert shard_sizes(35, 4) == [9, 9, 9, 8]
     assert shard_sizes(1, 4) == [1, 0, 0, 0]
@@ -104,12 +114,7 @@ def test_shards_are_contiguous_and_even():
 
 @pytest.mark.slow
 def test_two_ranks_equal_one_process_on_oracle_configs_and_the_bundled_model(tmp_path):
-    paths = [BUNDLED]
-    # q_lora + YaRN + noaux_tc; q_proj from x with 2 shared experts; V2 greedy (6 experts); V2 group-limited + YaRN
-    for variant in ("v3-qlora-yarn", "v3-noqlora", "v2-greedy", "v2-group-limited-yarn"):
-        make_checkpoint(tmp_path / variant, variant)
-        paths.append(tmp_path / variant)
-    check(paths, 2)
+    check(oracle_and_bundled(tmp_path), 2)
 
 
 @pytest.mark.slow
@@ -119,9 +124,8 @@ def test_two_microbatches_equal_one_process(tmp_path):
 
 
 @pytest.mark.slow
-def test_four_ranks_equal_one_process(tmp_path):
-    make_checkpoint(tmp_path / "v3-noqlora", "v3-noqlora")
-    check([BUNDLED, tmp_path / "v3-noqlora"], 4)
+def test_four_ranks_equal_one_process_on_oracle_configs_and_the_bundled_model(tmp_path):
+    check(oracle_and_bundled(tmp_path), 4)
 
 
 ENGINE_KW = dict(dtype="float32", block_size=4, max_num_batched_tokens=24)
