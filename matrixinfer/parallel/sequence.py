@@ -49,13 +49,11 @@ class SPStats:
     bytes_sent: int = 0  # what this rank put on the wire (padding included)
     exchanges: int = 0
 
-    def reset(self) -> None:
-        self.gather_s = self.scatter_s = 0.0
-        self.bytes_sent = self.exchanges = 0
-
 
 @dataclass
 class SequenceShards:
+    """One step's cut of its tokens over the SP group, and the two redistributions."""
+
     group: ParallelGroup
     positions: torch.Tensor  # [N] positions of every token of the step (stage 2 ropes the queries of all)
     stats: SPStats = field(default_factory=SPStats)

@@ -35,5 +35,6 @@ def test_bench_prefill_writes_every_layout(tmp_path, monkeypatch):
     assert all(r["tokens_per_s"] > 0 and r["balance"] >= 1 for r in report["results"])
     assert report["results"][0]["mb_sent_per_rank"] == 0 and all(r["mb_sent_per_rank"] > 0
                                                                 for r in report["results"][1:])
+    assert len(report["overlap"]) == 1 and report["overlap"][0].startswith("- 2 ranks: time in collectives")
     assert (out / "prefill.png").exists() and "bench:prefill" in (out / "BENCHMARKS.md").read_text()
     assert not (tmp_path / "benchmarks").exists()
