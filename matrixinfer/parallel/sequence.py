@@ -9,9 +9,8 @@ the cut from the scheduler output, so no count travels. Collectives pad each sli
 
 - `gather` (stage 1 -> 2): all-gather of each token's stage-1 output (the normalised q latent
   and the KV latent with its roped key), so every rank holds all N tokens for its heads;
-- `scatter` (stage 2 -> 3): the reduce-scatter of o_proj's per-head partial sums, as an
-  all-to-all (rank r receives the partials of its own tokens from every rank) and a local sum
-  in rank order; gloo has all_to_all_single but no reduce_scatter.
+- `scatter` (stage 2 -> 3): the reduce-scatter of o_proj's per-head partial sums: rank r
+  ends with the sum over ranks of its own tokens' rows.
 
 Both are started with async_op and finished later, so a microbatch pipeline can run the
 other microbatch's compute while one flies (worker/sequence_parallel.py). `stats` counts the
@@ -106,17 +105,17 @@ class SequenceShards:
         send = partial.new_zeros(p, s, *partial.shape[1:])
         for r in range(p):
             send[r, : self.sizes[r]] = partial[self.starts[r]: self.starts[r] + self.sizes[r]]
-        recv = torch.empty_like(send)
-        work = dist.all_to_all_single(recv, send, group=self.group.group, async_op=True)
+        out = partial.new_empty(s, *partial.shape[1:])
+        work = dist.reduce_scatter_tensor(out, send.flatten(0, 1), group=self.group.group, async_op=True)
         self.stats.bytes_sent += send[0].numel() * send.element_size() * (p - 1)
         self.stats.exchanges += 1
-        return work, recv
+        return work, out
 
     def finish_scatter(self, handle) -> torch.Tensor:
-        """-> [sizes[rank], H]: the sum over ranks (in rank order) of this rank's tokens' partials."""
-        work, recv = handle
+        """-> [sizes[rank], H]: the sum over ranks of this rank's tokens' partials."""
+        work, out = handle
         self.stats.scatter_s += _waited(work)
-        return recv.sum(0)[: self.sizes[self.group.rank]]
+        return out[: self.sizes[self.group.rank]]
 
     def gather_rows(self, x: torch.Tensor) -> torch.Tensor:
         """Blocking all-gather of this rank's rows (the final hidden states, for the driver)."""
