@@ -44,7 +44,7 @@ class _CommClock:
     and counts the bytes this rank sends (ring all-reduce: 2 (P-1)/P of the tensor; ring
     reduce-scatter and all-to-all: (P-1)/P of the input)."""
 
-    NAMES = ("all_reduce", "all_gather", "all_to_all_single", "reduce_scatter_tensor")
+    NAMES = ("all_reduce", "all_gather", "all_to_all_single", "reduce_scatter_single")
 
     def __init__(self, world: int):
         import torch.distributed as dist
@@ -70,7 +70,7 @@ class _CommClock:
             size = t.numel() * t.element_size()
             p = self.world
             self.bytes += {"all_reduce": 2 * (p - 1) * size // p, "all_gather": (p - 1) * size,
-                           "all_to_all_single": (p - 1) * size // p, "reduce_scatter_tensor": (p - 1) * size // p}[name]
+                           "all_to_all_single": (p - 1) * size // p, "reduce_scatter_single": (p - 1) * size // p}[name]
             t0 = perf_counter()
             work = fn(*args, **kw)
             self.s += perf_counter() - t0

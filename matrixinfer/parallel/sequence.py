@@ -106,7 +106,7 @@ class SequenceShards:
         for r in range(p):
             send[r, : self.sizes[r]] = partial[self.starts[r]: self.starts[r] + self.sizes[r]]
         out = partial.new_empty(s, *partial.shape[1:])
-        work = dist.reduce_scatter_tensor(out, send.flatten(0, 1), group=self.group.group, async_op=True)
+        work = dist.reduce_scatter_single(out, send.flatten(0, 1), group=self.group.group, async_op=True)
         self.stats.bytes_sent += send[0].numel() * send.element_size() * (p - 1)
         self.stats.exchanges += 1
         return work, out
