@@ -8,6 +8,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from matrixinfer.deployment import PREFILL_PARALLEL
+
 DEFAULT_MODEL = str(Path(__file__).resolve().parents[1] / "models" / "matrixinfer-tiny-moe")
 
 
@@ -197,10 +199,40 @@ class ParallelConfig:
     microbatches: int = 1  # 2: split each rank's batch in two and overlap one's exchanges with the other's compute
     eplb_interval: int = 0
     eplb_window: int = 100
+    # How attention is parallel across the instance's prefill_parallel_size ranks (the paper's
+    # prefill, docs/prefill_parallel.md): "sp-tp-sp" (tokens cut over the ranks for MLA stages
+    # 1 and 3 and the MoE, heads split for stage 2, experts partitioned), "tp" (the same as
+    # tensor_parallel_size = P) or "dp" (expert_parallel_size = P: attention data parallel).
+    # None: the sizes above alone. The instance decodes in the same layout.
+    prefill_parallel: str | None = None
+    prefill_parallel_size: int = 1
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.prefill_parallel == "sp-tp-sp" and self.prefill_parallel_size > 1
 
     @property
     def world_size(self) -> int:
+        if self.sequence_parallel:
+            return self.prefill_parallel_size
         return self.tensor_parallel_size * self.expert_parallel_size
+
+    def apply_prefill_parallel(self) -> None:
+        """prefill_parallel "tp" / "dp" of size P are the existing layouts: set their size."""
+        mode, p = self.prefill_parallel, self.prefill_parallel_size
+        if mode is None:
+            if p != 1:
+                raise ValueError("prefill_parallel_size needs prefill_parallel (sp-tp-sp, tp or dp)")
+            return
+        if mode not in PREFILL_PARALLEL or p < 1:
+            raise ValueError(f"prefill_parallel {mode!r} (one of {', '.join(PREFILL_PARALLEL)}), size {p} >= 1")
+        if (mode == "sp-tp-sp" or p > 1) and (self.tensor_parallel_size, self.expert_parallel_size) != (1, 1):
+            raise ValueError("prefill_parallel with a size sets the instance's layout: leave tensor_parallel_size "
+                             "and expert_parallel_size at 1")
+        if mode == "tp":
+            self.tensor_parallel_size = p
+        elif mode == "dp":
+            self.expert_parallel_size = p
 
     def executor_kind(self) -> str:
         if self.executor == "auto":
@@ -274,6 +306,8 @@ class EngineConfig:
         "microbatches": ("parallel", "microbatches"),
         "shared_expert_placement": ("parallel", "shared_expert_placement"),
         "shared_expert_ranks": ("parallel", "shared_expert_ranks"),
+        "prefill_parallel": ("parallel", "prefill_parallel"),
+        "prefill_parallel_size": ("parallel", "prefill_parallel_size"),
         "quantization": ("quantization", "method"),
     }
 
@@ -295,6 +329,7 @@ class EngineConfig:
                     setattr(section, k, v)
             else:
                 raise TypeError(f"unknown engine argument {key!r}")
+        cfg.parallel.apply_prefill_parallel()
         if cfg.parallel.expert_parallel_size > 1 and "enable_prefix_caching" not in kwargs:
             cfg.cache.enable_prefix_caching = False  # a cached block lives on the rank that wrote it
         cfg.validate()
@@ -337,6 +372,12 @@ class EngineConfig:
             raise ValueError(f"microbatches {par.microbatches}: 1 or 2")
         if par.shared_expert_placement not in ("replicated", "dedicated"):
             raise ValueError(f"shared_expert_placement {par.shared_expert_placement!r}: replicated or dedicated")
+        if par.sequence_parallel:
+            if par.num_redundant_experts or par.eplb_interval or par.shared_expert_placement != "replicated":
+                raise ValueError("EPLB and dedicated shared experts under prefill_parallel sp-tp-sp are not built")
+            if self.speculative.method is not None:
+                raise ValueError("speculative decoding with prefill_parallel sp-tp-sp is not built yet")
+            return
         if par.expert_parallel_size == 1:
             if par.num_redundant_experts or par.eplb_interval or par.microbatches != 1:
                 raise ValueError("redundant experts / EPLB / microbatches need expert_parallel_size > 1")
@@ -378,6 +419,10 @@ class EngineConfig:
         p.add_argument("--shared-expert-ranks", type=int, default=1)
         p.add_argument("--microbatches", type=int, default=1, choices=[1, 2],
                        help="2: overlap one microbatch's dispatch/combine with the other's compute (needs -ep > 1)")
+        p.add_argument("--prefill-parallel", default=None, choices=list(PREFILL_PARALLEL),
+                       help="attention across --prefill-parallel-size ranks: sp-tp-sp (tokens cut over the ranks, "
+                            "heads split for attention, experts partitioned), tp, or dp (attention data parallel)")
+        p.add_argument("--prefill-parallel-size", type=int, default=1)
         p.add_argument("--distributed-executor-backend", default="auto", choices=["auto", "uni", "mp"])
         p.add_argument("--kv-connector", default=None, choices=["ems"])
         p.add_argument("--ems-controller", default=None, help="HOST:PORT of the EMS controller")
@@ -430,6 +475,8 @@ class EngineConfig:
                   num_redundant_experts=args.num_redundant_experts, eplb_interval=args.eplb_interval,
                   eplb_window=args.eplb_window, microbatches=args.microbatches,
                   shared_expert_placement=args.shared_expert_placement, shared_expert_ranks=args.shared_expert_ranks,
+                  prefill_parallel=getattr(args, "prefill_parallel", None),
+                  prefill_parallel_size=getattr(args, "prefill_parallel_size", 1),
                   max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                   distributed_executor_backend=args.distributed_executor_backend, kv_transfer_config=kv,
                   load_format=args.load_format, model_source_mbps=args.model_source_mbps)

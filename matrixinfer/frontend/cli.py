@@ -73,7 +73,7 @@ def register(sub, bench_sub) -> None:
                                                       "(default: `matrixinfer quantize` of --model into a temp dir)")
     b.set_defaults(func=_bench_engine)
 
-    from matrixinfer.bench import ep_bench, executor_bench, kv_connector_bench, spec_bench
+    from matrixinfer.bench import ep_bench, executor_bench, kv_connector_bench, prefill_bench, spec_bench
 
     e = bench_sub.add_parser("executor", help="in-process vs multi-process executors (TP=1, TP=2), same requests")
     executor_bench.add_arguments(e)
@@ -82,6 +82,11 @@ def register(sub, bench_sub) -> None:
                               "EPLB imbalance, decode at EP 1/2, the EP320 projection")
     ep_bench.add_arguments(ep)
     ep.set_defaults(func=ep_bench.main)
+
+    pf = bench_sub.add_parser("prefill", help="prefill parallelism: DP vs TP vs SP-TP-SP on heavy-tailed prompt "
+                              "lengths (tokens/s, balance, communication, memory), the 16-die projection")
+    prefill_bench.add_arguments(pf)
+    pf.set_defaults(func=prefill_bench.main)
 
     sp = bench_sub.add_parser("spec", help="the same requests with and without MTP speculative decoding")
     spec_bench.add_arguments(sp)

@@ -14,6 +14,14 @@ Tensor parallelism splits the heads: q_b_proj (q_proj without q_lora) and kv_b_p
 column-parallel, so each rank computes its `n_heads` = heads / T local heads on both paths;
 o_proj is row-parallel and all-reduces the block's output. The latent projection (q_a|kv_a)
 is replicated and every rank keeps the whole latent cache (it is shared by all heads).
+
+SP-TP-SP (the paper's prefill, parallel/sequence.py) runs the three stages on different
+cuts of the tokens: stage 1 (`down`: the latent down-projections, their norms, the key's RoPE)
+on this rank's slice of the step's tokens; one all-gather of its output (q latent | c_kv |
+k_pe per token); stage 2 (`up_q`, the cache write and attention) on every token for this
+rank's heads, each sequence attended causally in whole; stage 3 (o_proj, row-parallel over
+the heads) as a partial sum for every token, reduce-scattered back to the token slices.
+Every rank writes every token's latents, so each holds the whole latent cache, as under TP.
 """
 
 from __future__ import annotations
@@ -33,7 +41,8 @@ from matrixinfer.model.layers import (
     RotaryEmbedding,
     RowParallelLinear,
 )
-from matrixinfer.parallel.state import get_tp_size
+from matrixinfer.model.moe import run_stages
+from matrixinfer.parallel.state import get_head_group, get_sp_group
 
 
 # The paged cache write as an operator of its own, so that a compiled step writes the new
@@ -65,26 +74,33 @@ class MLAttention(nn.Module):
         self.q_lora_rank = cfg.q_lora_rank
         self.scale = cfg.softmax_scale
         h = cfg.hidden_size
-        tp = get_tp_size()
+        heads = get_head_group()  # the TP group, or the SP group under SP-TP-SP
+        tp = heads.size
         if cfg.num_attention_heads % tp:
             raise ValueError(f"num_attention_heads {cfg.num_attention_heads} not divisible by tp size {tp}")
         self.n_heads = cfg.num_attention_heads // tp  # this rank's heads
-        n, kw = cfg.num_attention_heads, dict(quant_config=quant_config)
+        self.sequence_parallel = get_sp_group().size > 1
+        n = cfg.num_attention_heads
+        kw = dict(quant_config=quant_config)
+        split = dict(kw, tp_rank=heads.rank, tp_size=heads.size)  # the head-split layers
         kv_a = cfg.kv_lora_rank + cfg.qk_rope_head_dim
         if cfg.q_lora_rank is None:
             # q reads x directly: column-parallel (a replicated q|kv_a would compute every head on every rank)
-            self.q_proj = ColumnParallelLinear(h, n * self.qk_dim, prefix=f"{prefix}.q_proj", **kw)
+            self.q_proj = ColumnParallelLinear(h, n * self.qk_dim, prefix=f"{prefix}.q_proj", **split)
             self.kv_a_proj_with_mqa = ReplicatedLinear(h, kv_a, prefix=f"{prefix}.kv_a_proj_with_mqa", **kw)
         else:
             # the two latent down-projections read x: one replicated matmul
             self.fused_qkv_a_proj = MergedReplicatedLinear(h, [cfg.q_lora_rank, kv_a],
                                                            prefix=f"{prefix}.fused_qkv_a_proj", **kw)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank)
-            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, n * self.qk_dim, prefix=f"{prefix}.q_b_proj", **kw)
+            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, n * self.qk_dim, prefix=f"{prefix}.q_b_proj",
+                                                 **split)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank)
         self.kv_b_proj = ColumnParallelLinear(cfg.kv_lora_rank, n * (self.nope_dim + self.v_dim),
-                                              prefix=f"{prefix}.kv_b_proj", **kw)
-        self.o_proj = RowParallelLinear(n * self.v_dim, h, prefix=f"{prefix}.o_proj", **kw)
+                                              prefix=f"{prefix}.kv_b_proj", **split)
+        # under SP-TP-SP o_proj's partial sums are reduce-scattered by stages(), not all-reduced
+        self.o_proj = RowParallelLinear(n * self.v_dim, h, prefix=f"{prefix}.o_proj",
+                                        reduce_results=not self.sequence_parallel, **split)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim)
         self.kv_cache: torch.Tensor | None = None  # [num_blocks, block_size, kv_lora_rank + rope], set by the engine
 
@@ -92,21 +108,32 @@ class MLAttention(nn.Module):
     def prolog(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
         """x: [..., hidden], rope: (cos, sin) of the positions ->
         q_nope [..., H, nope], q_pe [..., H, rope], c_kv [..., rank], k_pe [..., rope]."""
+        q_in, c_kv, k_pe = self.down(x, rope)
+        return (*self.up_q(q_in, rope), c_kv, k_pe)
+
+    def down(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+        """Stage 1, per token: -> q_in (the normalised q latent; x itself without q_lora),
+        c_kv (normalised), k_pe (roped)."""
         if self.q_lora_rank is None:
-            q, kv = self.q_proj(x), self.kv_a_proj_with_mqa(x)
+            q_in, kv = x, self.kv_a_proj_with_mqa(x)
         else:
             q_a, kv = self.fused_qkv_a_proj(x).split(self.fused_qkv_a_proj.output_sizes, dim=-1)
-            q = self.q_b_proj(self.q_a_layernorm(q_a))
-        q = q.view(*x.shape[:-1], self.n_heads, self.qk_dim)
-        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+            q_in = self.q_a_layernorm(q_a)
         c_kv, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        c_kv = self.kv_a_layernorm(c_kv)
         cos, sin = rope
-        q_pe = self.rotary(q_pe, cos, sin)
-        k_pe = self.rotary(k_pe.unsqueeze(-2), cos, sin).squeeze(-2)
-        return q_nope, q_pe, c_kv, k_pe
+        return q_in, self.kv_a_layernorm(c_kv), self.rotary(k_pe.unsqueeze(-2), cos, sin).squeeze(-2)
+
+    def up_q(self, q_in: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+        """Stage 2's query up-projection to this rank's heads: -> q_nope, q_pe (roped)."""
+        q = (self.q_proj if self.q_lora_rank is None else self.q_b_proj)(q_in)
+        q = q.view(*q_in.shape[:-1], self.n_heads, self.qk_dim)
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        cos, sin = rope
+        return q_nope, self.rotary(q_pe, cos, sin)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        if self.sequence_parallel:
+            return run_stages(self.stages(x, rope))
         q_nope, q_pe, c_kv, k_pe = self.prolog(x, rope)
         ctx = get_context()
         if ctx is None:
@@ -114,6 +141,27 @@ class MLAttention(nn.Module):
         else:
             out = self._forward_paged(ctx, q_nope, q_pe, c_kv, k_pe)
         return self.o_proj(out.flatten(-2))
+
+    def stages(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+        """The SP-TP-SP forward as a generator that yields while the all-gather and the
+        reduce-scatter fly (a microbatch pipeline runs the other microbatch there)."""
+        ctx = get_context()
+        sp = ctx.sp if ctx is not None else None
+        if sp is None:
+            raise RuntimeError("a sequence-parallel attention layer runs under a ForwardContext with sequence shards")
+        # stage 1 on this rank's tokens; x is [sizes[rank], hidden]
+        q_in, c_kv, k_pe = self.down(x, rope)
+        pieces = [q_in.shape[-1], self.kv_lora_rank, self.rope_dim]
+        handle = sp.start_gather(torch.cat([q_in, c_kv, k_pe], dim=-1))
+        yield
+        q_in, c_kv, k_pe = sp.finish_gather(handle).split(pieces, dim=-1)
+        # stage 2 on every token, this rank's heads
+        q_nope, q_pe = self.up_q(q_in, sp.rope(self.rotary, x.dtype))
+        out = self._forward_paged(ctx, q_nope, q_pe, c_kv, k_pe)
+        # stage 3: o_proj's partial sum over this rank's heads, summed into the token slices
+        handle = sp.start_scatter(self.o_proj(out.flatten(-2)))
+        yield
+        return sp.finish_scatter(handle)
 
     # -- weights folded for the absorbed path --------------------------------------------------
     def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:

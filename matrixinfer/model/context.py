@@ -10,7 +10,12 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from matrixinfer.parallel.sequence import SequenceShards
 
 
 @dataclass
@@ -27,6 +32,9 @@ class ForwardContext:
     # All sequences decode one token: attention reads only the tensors above (the captured /
     # compiled decode step relies on it; query_lens and context_lens may be empty then).
     decode_only: bool = False
+    # SP-TP-SP (parallel/sequence.py): the model runs on this rank's slice of the tokens above;
+    # attention gathers all of them for its heads and scatters the result back.
+    sp: "SequenceShards | None" = None
     # Speculative verification: decode sequences carry up to Q = decode_query_len queries each
     # (the last token and its drafts). The absorbed path pads them to [S, Q]: decode_pad_index
     # [S*Q] picks each padded query's token (padding repeats a real one), decode_unpad_index

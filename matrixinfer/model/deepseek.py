@@ -39,7 +39,8 @@ class DecoderLayer(nn.Module):
 
     def stages(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
         """forward() as a generator yielding while the MoE's exchanges fly (moe.py)."""
-        h = h + self.self_attn(self.input_layernorm(h), rope)
+        x, attn = self.input_layernorm(h), self.self_attn
+        h = h + ((yield from attn.stages(x, rope)) if attn.sequence_parallel else attn(x, rope))
         x = self.post_attention_layernorm(h)
         return h + ((yield from self.mlp.stages(x)) if isinstance(self.mlp, MoE) else self.mlp(x))
 

@@ -5,6 +5,8 @@ from matrixinfer.parallel.state import (
     destroy_model_parallel,
     expert_partition,
     get_ep_group,
+    get_head_group,
+    get_sp_group,
     get_tp_group,
     get_tp_rank,
     get_tp_size,
@@ -14,6 +16,6 @@ from matrixinfer.parallel.state import (
 )
 
 __all__ = [
-    "ParallelGroup", "destroy_model_parallel", "expert_partition", "get_ep_group", "get_tp_group", "get_tp_rank",
-    "get_tp_size", "init_model_parallel", "tp_all_gather", "tp_all_reduce",
+    "ParallelGroup", "destroy_model_parallel", "expert_partition", "get_ep_group", "get_head_group", "get_sp_group",
+    "get_tp_group", "get_tp_rank", "get_tp_size", "init_model_parallel", "tp_all_gather", "tp_all_reduce",
 ]

@@ -16,7 +16,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_entry(target, rank: int, world: int, port: int, sizes: tuple[int, int], timeout: float, args: tuple,
+def _rank_entry(target, rank: int, world: int, port: int, sizes: tuple[int, int, int], timeout: float, args: tuple,
                 results) -> None:
     import torch
     import torch.distributed as dist
@@ -39,16 +39,18 @@ def _rank_entry(target, rank: int, world: int, port: int, sizes: tuple[int, int]
             dist.destroy_process_group()
 
 
-def run_ranks(target, world: int, *args, tp: int | None = None, ep: int = 1, timeout: float = 120) -> dict:
+def run_ranks(target, world: int, *args, tp: int | None = None, ep: int = 1, sp: int = 1,
+              timeout: float = 120) -> dict:
     """Spawn `world` = tp * ep processes, each in one gloo group with init_model_parallel(tp,
-    ep) done (tp defaults to world / ep), running target(rank, world, *args) (a module-level
+    ep) done (tp defaults to world / ep; sp > 1: the SP-TP-SP group of all `world` = sp ranks
+    instead), running target(rank, world, *args) (a module-level
     function: it is pickled); return {rank: its return value}. Values cross by pickling: send
     numpy arrays, not tensors (those would be shared through file descriptors that vanish with
     the process). A rank that raises, or no answer within `timeout` seconds, raises here; the
     processes never outlive the call."""
     import torch.multiprocessing as mp
 
-    sizes = (tp or world // ep, ep)
+    sizes = (1, 1, sp) if sp > 1 else (tp or world // ep, ep, 1)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()

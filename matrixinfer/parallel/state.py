@@ -20,6 +20,13 @@ EP group (`expert_partition`), and the MoE layer exchanges tokens inside it (ep_
 expert is still sharded over its TP group like a dense MLP, so an expert's output stays a TP
 partial sum added by the block's one `tp_all_reduce`.
 
+SP-TP-SP (`init_model_parallel(1, 1, sequence_parallel_size=P)`, world = P, the paper's
+prefill): all P ranks form one sequence-parallel group. Attention splits its heads over it
+(`get_head_group()`, the TP group otherwise), the routed experts are partitioned over it as
+the EP group, and the tensor-parallel group is a group of one: the norms, dense MLPs, shared
+experts and router are whole on every rank and run on the rank's slice of the tokens
+(parallel/sequence.py, docs/prefill_parallel.md).
+
 Nothing initialised (one process, no torch.distributed at all) means size 1, rank 0, and the
 collectives are the identity.
 
@@ -63,6 +70,7 @@ class ParallelGroup:
 _SINGLE = ParallelGroup(group=None, ranks=[0], rank=0)
 _TP: ParallelGroup = _SINGLE
 _EP: ParallelGroup = _SINGLE
+_SP: ParallelGroup = _SINGLE
 
 
 def _cut(groups: list[list[int]], rank: int) -> ParallelGroup:
@@ -75,12 +83,24 @@ def _cut(groups: list[list[int]], rank: int) -> ParallelGroup:
     return mine
 
 
-def init_model_parallel(tensor_parallel_size: int, expert_parallel_size: int = 1) -> None:
+def init_model_parallel(tensor_parallel_size: int, expert_parallel_size: int = 1,
+                        sequence_parallel_size: int = 1) -> None:
     """Cut the default process group (world = tp * ep) into tensor-parallel groups of
     consecutive ranks and expert-parallel groups of ranks `tp` apart. Every rank must call it
-    (new_group is collective). With both sizes 1 it needs no torch.distributed at all."""
-    global _TP, _EP
+    (new_group is collective). With both sizes 1 it needs no torch.distributed at all.
+    sequence_parallel_size P > 1 (tp = ep = 1, world = P): one SP-TP-SP group of all ranks."""
+    global _TP, _EP, _SP
     tp, ep = tensor_parallel_size, expert_parallel_size
+    if sequence_parallel_size > 1:
+        if (tp, ep) != (1, 1):
+            raise ValueError("sequence_parallel_size > 1 takes tensor/expert_parallel_size 1: the SP group "
+                             "splits the heads and holds the experts itself")
+        if not dist.is_initialized() or dist.get_world_size() != sequence_parallel_size:
+            raise ValueError(f"sequence_parallel_size {sequence_parallel_size} needs a process group of that size")
+        rank = dist.get_rank()
+        _SP = _EP = _cut([list(range(sequence_parallel_size))], rank)
+        _TP = ParallelGroup(group=None, ranks=[rank], rank=0)
+        return
     if tp == 1 and ep == 1:
         _TP = _EP = ParallelGroup(group=None, ranks=[dist.get_rank() if dist.is_initialized() else 0], rank=0)
         return
@@ -95,11 +115,21 @@ def init_model_parallel(tensor_parallel_size: int, expert_parallel_size: int = 1
 
 def destroy_model_parallel() -> None:
     """Forget the groups (the caller destroys the default process group itself)."""
-    global _TP, _EP
-    for g in (_TP, _EP):
+    global _TP, _EP, _SP
+    for g in {id(g): g for g in (_TP, _EP, _SP)}.values():
         if g.group is not None and dist.is_initialized():
             dist.destroy_process_group(g.group)
-    _TP = _EP = _SINGLE
+    _TP = _EP = _SP = _SINGLE
+
+
+def get_sp_group() -> ParallelGroup:
+    """The SP-TP-SP group (a group of one unless init_model_parallel got sequence_parallel_size)."""
+    return _SP
+
+
+def get_head_group() -> ParallelGroup:
+    """The group attention splits its heads over: the SP group under SP-TP-SP, else the TP group."""
+    return _SP if _SP.size > 1 else _TP
 
 
 def get_ep_group() -> ParallelGroup:

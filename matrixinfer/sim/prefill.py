@@ -179,11 +179,12 @@ class BalanceResult:
     sptp_s: float
     dp_efficiency: float  # mean device work / max device work under DP
     speedup: float  # dp_s / sptp_s
+    tp_s: float = 0.0  # plain TP: hidden states all-gathered, down-projections replicated on all tokens
 
 
 def prefill_balance(hw: HardwareSpec, model: ModelSpec, lengths: list[int], devices: int = 32,
                     **overrides) -> BalanceResult:
-    """One batch of prompts of the given lengths on `devices` devices, DP vs SP-TP-SP.
+    """One batch of prompts of the given lengths on `devices` devices, DP vs SP-TP-SP (and TP).
 
     Per-token and per-attention-pair costs come from prefill_batch; DP places each prompt on
     the device with the fewest tokens so far (what a DP scheduler can do without knowing
@@ -211,4 +212,5 @@ def prefill_balance(hw: HardwareSpec, model: ModelSpec, lengths: list[int], devi
     dp_times = [time_for("dp", t, p) if t else 0.0 for t, p in zip(load_tokens, load_pairs)]
     dp = max(dp_times)
     sptp = time_for("sp-tp-sp", mean_tokens, sum(pairs) / devices)
-    return BalanceResult(dp, sptp, (sum(dp_times) / devices) / dp, dp / sptp)
+    tp = time_for("tp", mean_tokens, sum(pairs) / devices)
+    return BalanceResult(dp, sptp, (sum(dp_times) / devices) / dp, dp / sptp, tp)

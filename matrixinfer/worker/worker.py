@@ -66,21 +66,23 @@ class Worker:
         log.info("rank %d: %d intra-op threads, CPU kernels %s, decode step %s", rank, torch.get_num_threads(),
                  torch.backends.cpu.get_cpu_capability(),
                  "eager" if compiled is None else f"compiled in {compiled.compile_s:.1f} s")
-        from matrixinfer.parallel import get_tp_rank
+        from matrixinfer.parallel import get_head_group
 
-        self.connector = make_worker_connector(config.kv_transfer, get_tp_rank())
+        self.connector = make_worker_connector(config.kv_transfer, get_head_group().rank)
         if self.connector is not None:
             self.connector.register_kv_cache(self.runner.kv_cache)
 
     def routed_ranks(self) -> int:
         """EP ranks that hold routed experts (all but the dedicated shared-expert ranks)."""
         par = self.config.parallel
+        if par.sequence_parallel:
+            return par.world_size
         dedicated = par.shared_expert_placement == "dedicated"
         return par.expert_parallel_size - (par.shared_expert_ranks if dedicated else 0)
 
     def expert_ids(self) -> list[int] | None:
         """The routed experts this rank holds (None: all of them)."""
-        if self.config.parallel.expert_parallel_size == 1:
+        if self.config.parallel.world_size // self.config.parallel.tensor_parallel_size == 1:
             return None
         from matrixinfer.config import ModelConfig
         from matrixinfer.parallel import expert_partition, get_ep_group
@@ -94,6 +96,13 @@ class Worker:
 
     def _make_runner(self) -> ModelRunner:
         block_size = self.config.cache.block_size
+        par = self.config.parallel
+        if par.sequence_parallel:  # SP-TP-SP: eager, its collectives and slices are not compiled
+            from matrixinfer.parallel import get_sp_group
+            from matrixinfer.worker.sequence_parallel import SequenceParallelRunner
+
+            return SequenceParallelRunner(self.model, self.num_blocks, block_size, self.device, get_sp_group(),
+                                          self._dispatcher(get_sp_group()), par.microbatches)
         if self.config.parallel.expert_parallel_size == 1:
             # a speculating runner's decode steps verify k + 1 tokens per sequence: they run eagerly
             spec = self.config.speculative.num_draft_tokens
@@ -103,22 +112,12 @@ class Worker:
                 compiled.warm_up(self.config.scheduler.max_num_seqs, self.device)
             return runner
         # expert parallelism runs eagerly: the exchanges' collectives and row counts are not compiled
-        from matrixinfer.parallel import expert_partition, get_ep_group
-        from matrixinfer.parallel.ep_comm import EPDispatcher, set_dispatcher
+        from matrixinfer.parallel import get_ep_group
         from matrixinfer.worker.data_parallel import DataParallelRunner
 
-        cfg, group = self.model.config, get_ep_group()
-        routed = self.routed_ranks()
-        owner = [r for r, ids in enumerate(expert_partition(cfg.n_routed_experts, routed)) for _ in ids]
-        dtype = self.model.lm_head.weight.dtype
-        dispatch = self.config.parallel.dispatch_dtype
-        dispatch = str(dtype).removeprefix("torch.") if dispatch == "auto" else dispatch
-        dispatcher = EPDispatcher(group, owner, cfg.num_experts_per_tok, cfg.hidden_size,
-                                  self.config.scheduler.max_num_batched_tokens, dispatch, dtype, self.device,
-                                  shared_ranks=list(range(routed, group.size)))
-        set_dispatcher(dispatcher)
+        group = get_ep_group()
+        dispatcher = self._dispatcher(group)
         balancer = None
-        par = self.config.parallel
         if par.num_redundant_experts or par.eplb_interval:
             from matrixinfer.model.moe import MoE
             from matrixinfer.parallel.eplb import ExpertBalancer
@@ -128,6 +127,23 @@ class Worker:
                                       self.device)
         return DataParallelRunner(self.model, self.num_blocks, block_size, self.device, group, dispatcher, balancer,
                                   par.microbatches)
+
+    def _dispatcher(self, group):
+        """The MoE's dispatch/combine over `group` (the EP group; the SP group under SP-TP-SP),
+        set as the model's dispatcher."""
+        from matrixinfer.parallel import expert_partition
+        from matrixinfer.parallel.ep_comm import EPDispatcher, set_dispatcher
+
+        cfg, routed = self.model.config, self.routed_ranks()
+        owner = [r for r, ids in enumerate(expert_partition(cfg.n_routed_experts, routed)) for _ in ids]
+        dtype = self.model.lm_head.weight.dtype
+        dispatch = self.config.parallel.dispatch_dtype
+        dispatch = str(dtype).removeprefix("torch.") if dispatch == "auto" else dispatch
+        dispatcher = EPDispatcher(group, owner, cfg.num_experts_per_tok, cfg.hidden_size,
+                                  self.config.scheduler.max_num_batched_tokens, dispatch, dtype, self.device,
+                                  shared_ranks=list(range(routed, group.size)))
+        set_dispatcher(dispatcher)
+        return dispatcher
 
     def info(self):
         """What the executor tells the engine core about this rank once it is up."""
@@ -168,7 +184,9 @@ class Worker:
                                 timeout=timeout)
         # control messages (failed KV loads) go over a CPU group whatever the device backend
         self.cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
-        init_model_parallel(self.config.parallel.tensor_parallel_size, self.config.parallel.expert_parallel_size)
+        par = self.config.parallel
+        init_model_parallel(par.tensor_parallel_size, par.expert_parallel_size,
+                            par.world_size if par.sequence_parallel else 1)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
         skip: set[str] = set()

@@ -34,3 +34,12 @@ def test_bench_engine_json_last_line(text_checkpoint):
     assert abs(result["compiled_over_eager"] - result["matrixinfer_tokens_per_s"] / result["eager_tokens_per_s"]) < 1e-6
     assert result["ratio"] == result["matrixinfer_tokens_per_s"] / result["transformers_tokens_per_s"] or \
         abs(result["ratio"] - result["matrixinfer_tokens_per_s"] / result["transformers_tokens_per_s"]) < 1e-6
+
+
+def test_generate_with_sp_tp_sp_prefill_prints_what_one_process_prints(text_checkpoint):
+    args = ("generate", "--model", str(text_checkpoint[0]), "--prompt", "def add", "--max-tokens", "8",
+            "--ignore-eos", "--dtype", "float32", "--temperature", "0")
+    one = run_cli(*args)
+    sp = run_cli(*args, "--prefill-parallel", "sp-tp-sp", "--prefill-parallel-size", "2")
+    assert one.returncode == 0 and sp.returncode == 0, sp.stderr[-2000:]
+    assert sp.stdout == one.stdout

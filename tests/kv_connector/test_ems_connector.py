@@ -144,3 +144,22 @@ def test_expert_parallel_ranks_save_their_own_requests_blocks_and_load_from_the_
     with LLM(model=model, **kw) as ep:
         out = ep.generate([{"prompt_token_ids": PROMPT + SUFFIX}], p, use_tqdm=False)[0]
     assert out.num_cached_tokens >= 24 and out.outputs[0].token_ids == reference[len(PROMPT + SUFFIX)]
+
+
+@pytest.mark.slow
+def test_sp_tp_sp_prefill_saves_latents_another_engine_decodes_from(text_checkpoint, ems_pool, reference):
+    """SP-TP-SP over 2 ranks (tokens cut over the ranks, heads split for attention) prefills
+    PROMPT and saves its pages from rank 0; a single-process engine (the decode side's layout)
+    loads them for PROMPT + SUFFIX and answers exactly; an SP-TP-SP engine loads them too."""
+    model = text_checkpoint[0]
+    kw = dict(dtype="float32", block_size=4, prefill_parallel="sp-tp-sp", prefill_parallel_size=2,
+              kv_transfer_config={"connector": "ems", "ems_controller": ems_pool.controller})
+    p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with LLM(model=model, **kw) as sp:
+        out = sp.generate([{"prompt_token_ids": PROMPT}], p, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == reference[len(PROMPT)]
+    b = run_engine_process(model, ems_pool.controller, PROMPT + SUFFIX)
+    assert b["cached"] >= 24 and b["tokens"] == reference[len(PROMPT + SUFFIX)]
+    with LLM(model=model, **kw) as sp:
+        out = sp.generate([{"prompt_token_ids": PROMPT + SUFFIX}], p, use_tqdm=False)[0]
+    assert out.num_cached_tokens >= 24 and out.outputs[0].token_ids == reference[len(PROMPT + SUFFIX)]
