@@ -7,6 +7,7 @@ Both clients have the same surface: add_request, abort_requests, get_outputs, sh
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing as mp
 import os
 import queue
@@ -173,10 +174,15 @@ class MPCoreClient(RemoteCoreClient):
         started = time.monotonic()
         ctx = mp.get_context("spawn")
         conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_core_main, args=(config, child, title), name=title, daemon=True)
+        # Not daemonic: the core must be able to start its own rank processes (TP / EP / SP
+        # executors). It still cannot outlive us: the finalizer stops it, at interpreter exit too
+        # (registered after multiprocessing's own exit hook, so it runs first: that hook joins
+        # non-daemonic children), and a core whose front end is gone sees its pipe close.
+        self.proc = ctx.Process(target=_core_main, args=(config, child, title), name=title, daemon=False)
         self.proc.start()
         child.close()
         self._finalizer = weakref.finalize(self, _stop_core, self.proc, conn)
+        atexit.register(self._finalizer)
         self._handshake(conn, [self.proc.sentinel], start_timeout_s, started)
 
     def kill(self) -> None:

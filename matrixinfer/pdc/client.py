@@ -92,7 +92,7 @@ class PDCClient(AsyncLLM):
         self._on_shutdown = on_shutdown
         self.restart_instances = restart_instances
         self._closing = False
-        # at interpreter exit multiprocessing terminates daemonic children: that is not a death to repair
+        # at interpreter exit the instances' cores are stopped: that is not a death to repair
         atexit.register(self._stop_restarting)
         self.handoff_latency = HandoffLatency()
         self.kv_bytes_per_token = first.kv_bytes_per_token

@@ -54,15 +54,20 @@ def start_pdc(base: EngineConfig, prefill_instances: int = 1, decode_instances: 
 
     kv = KVTransferConfig(connector="ems", ems_controller=ems_controller, ems_namespace=base.kv_transfer.ems_namespace)
     cfg = replace(base, kv_transfer=kv)
+    # Prefill instances never run a decode step (they hand off after the first token): no
+    # compiling. An SP-TP-SP prefill layout is the prefill role's; decode instances keep the
+    # base layout without it (they continue from the latent KV the prefill saved to EMS).
+    prefill_cfg = replace(cfg, enforce_eager=True)
+    decode_cfg = replace(cfg, parallel=replace(cfg.parallel, prefill_parallel=None, prefill_parallel_size=1)) \
+        if cfg.parallel.sequence_parallel else cfg
     if ray_address is None and cfg.num_threads is None:
         # every instance on this machine: split the cores instead of each taking all of them
-        ranks = (prefill_instances + decode_instances) * cfg.parallel.world_size
-        cfg = replace(cfg, num_threads=max(1, (os.cpu_count() or 1) // ranks))
+        ranks = prefill_instances * prefill_cfg.parallel.world_size + decode_instances * decode_cfg.parallel.world_size
+        threads = max(1, (os.cpu_count() or 1) // ranks)
+        prefill_cfg, decode_cfg = replace(prefill_cfg, num_threads=threads), replace(decode_cfg, num_threads=threads)
     try:
-        # prefill instances never run a decode step (they hand off after the first token): no compiling
-        prefill_cfg = replace(cfg, enforce_eager=True)
-        client = PDCClient([prefill_cfg] * prefill_instances, [cfg] * decode_instances, model_name, router, stop_cluster,
-                           restart_instances, ray=ray_address is not None)
+        client = PDCClient([prefill_cfg] * prefill_instances, [decode_cfg] * decode_instances, model_name, router,
+                           stop_cluster, restart_instances, ray=ray_address is not None)
         client.ems_cluster = cluster  # None when it joined an existing pool
         return client
     except BaseException:

@@ -267,3 +267,38 @@ def test_decode_instances_speculate_with_mtp_and_keep_greedy_output(tmp_path):
         tenants.close()
         ledger.close()
         client.shutdown()
+
+
+@pytest.mark.parametrize("layout", [
+    dict(prefill_parallel="sp-tp-sp", prefill_parallel_size=2),  # the prefill role's; decode runs one process
+    dict(expert_parallel_size=2, enable_prefix_caching=False),  # both roles EP groups
+])
+def test_instances_as_rank_groups_keep_greedy_output(text_checkpoint, reference, tmp_path, layout):
+    """A PDC instance's engine core starts its own rank processes: an SP-TP-SP prefill instance
+    (2 ranks) hands its latent KV through EMS to a one-process decode instance, or both roles
+    are EP=2 groups; either way the text equals the colocated engine's, and no process of the
+    stack outlives its shutdown."""
+    import psutil
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}  # other tests' stacks
+    client = _stack(text_checkpoint[0], prefill=1, decode=1, **layout)
+    server, tenants, ledger = _serve(client, tmp_path)
+    try:
+        assert client.prefill[0].config.parallel.world_size == 2
+        assert client.decode[0].config.parallel.world_size == (2 if "expert_parallel_size" in layout else 1)
+        for p in PROMPTS[:2]:
+            assert _complete(server, p)[0] == reference[p]
+        assert client.scheduler_stats().external_cache_hits > 0  # decode continued from the prefill's pages
+    finally:
+        server.stop()
+        tenants.close()
+        ledger.close()
+        client.shutdown()
+    def ours():
+        procs = [p for p in psutil.Process().children(recursive=True) if p.pid not in before and p.is_running()]
+        return [p for p in procs if "resource_tracker" not in " ".join(p.cmdline())]  # multiprocessing's own
+
+    deadline = time.time() + 20
+    while ours() and time.time() < deadline:
+        time.sleep(0.2)
+    assert not ours()
