@@ -1,7 +1,12 @@
 """Helpers for engine tests that run ranks as processes: fixed random prompts, greedy token
-lists, and the live child processes (to check that none outlives its engine)."""
+lists, the live child processes (to check that none outlives its engine), and the dead-rank
+check every multi-process layout must pass."""
 
 import multiprocessing as mp
+import os
+import signal
+
+import pytest
 
 import torch
 
@@ -22,3 +27,19 @@ def tokens(llm, prompt_list, params=GREEDY):
 def children() -> set[int]:
     return {p.pid for p in mp.active_children()}
 
+
+
+def assert_a_dead_rank_fails_and_leaves_no_process(llm_factory, prompt_lengths, params=GREEDY) -> None:
+    """SIGKILL rank 1 of the engine llm_factory() builds: the next generate raises (never
+    hangs) and, after shutdown, no process the engine started is left."""
+    before = children()
+    llm = llm_factory()
+    try:
+        rank1 = llm.engine.core.core.executor.procs[1]
+        os.kill(rank1.pid, signal.SIGKILL)
+        rank1.join(10)
+        with pytest.raises((RuntimeError, TimeoutError)):
+            tokens(llm, prompts(1000, prompt_lengths), params)
+    finally:
+        llm.shutdown()
+    assert not (children() - before)

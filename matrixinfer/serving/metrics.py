@@ -20,37 +20,36 @@ class _EngineCollector:
 
     def collect(self):
         s, model = self.engine.stats(), [self.engine.model_name]
-        for name, doc, value in [
+        yield from _per_model(GaugeMetricFamily, model, [
             ("num_requests_running", "Sequences being computed.", s.num_running),
             ("num_requests_waiting", "Sequences waiting to be scheduled.", s.num_waiting),
             ("kv_cache_usage_perc", "KV-cache usage, 1 means 100 percent.", s.kv_cache_usage),
-        ]:
-            g = GaugeMetricFamily(P + name, doc, labels=["model_name"])
-            g.add_metric(model, value)
-            yield g
-        for name, doc, value in [
+        ])
+        yield from _per_model(CounterMetricFamily, model, [
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
-        ]:
-            c = CounterMetricFamily(P + name, doc, labels=["model_name"])
-            c.add_metric(model, value)
-            yield c
+        ])
         if s.spec_num_drafts:
             yield from _spec_decode_metrics(s, model)
         if hasattr(self.engine, "role_stats"):  # a PDC front end: per-role instances and the hand-off
             yield from _pdc_metrics(self.engine, model[0])
 
 
+def _per_model(family, model: list[str], entries):
+    """One metric family of `family`'s kind per (name, help, value), labelled by model name."""
+    for name, doc, value in entries:
+        m = family(P + name, doc, labels=["model_name"])
+        m.add_metric(model, value)
+        yield m
+
+
 def _spec_decode_metrics(s, model: list[str]):
     """vLLM's speculative-decoding counters, and the mean acceptance length (tokens per step)."""
-    for name, doc, value in [
+    yield from _per_model(CounterMetricFamily, model, [
         ("spec_decode_num_drafts", "Verification steps of a request with drafts.", s.spec_num_drafts),
         ("spec_decode_num_draft_tokens", "Draft tokens verified.", s.spec_num_draft_tokens),
         ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.spec_num_accepted_tokens),
-    ]:
-        c = CounterMetricFamily(P + name, doc, labels=["model_name"])
-        c.add_metric(model, value)
-        yield c
+    ])
     c = CounterMetricFamily(P + "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, per draft "
                             "position.", labels=["model_name", "position"])
     for pos, value in enumerate(s.spec_accepted_per_pos):

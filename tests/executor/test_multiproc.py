@@ -4,8 +4,6 @@ Tensor parallelism is the proof: greedy output at TP=2 is token-identical to one
 and the processes never outlive the engine, even when a rank dies.
 """
 
-import os
-import signal
 
 import pytest
 
@@ -46,17 +44,7 @@ def test_multiprocess_executor_at_tp1_equals_in_process():
 
 @pytest.mark.slow
 def test_a_dead_rank_is_an_error_not_a_hang_and_leaves_no_process():
-    before = ranks.children()
-    llm = LLM(tensor_parallel_size=2, dtype="float32")
-    try:
-        rank1 = llm.engine.core.core.executor.procs[1]
-        os.kill(rank1.pid, signal.SIGKILL)
-        rank1.join(10)
-        with pytest.raises((RuntimeError, TimeoutError)):
-            ranks.tokens(llm, ranks.prompts(1000, (8,)))
-    finally:
-        llm.shutdown()
-    assert not (ranks.children() - before)
+    ranks.assert_a_dead_rank_fails_and_leaves_no_process(lambda: LLM(tensor_parallel_size=2, dtype="float32"), (8,))
 
 
 @pytest.mark.slow
