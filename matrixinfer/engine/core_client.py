@@ -185,6 +185,10 @@ class MPCoreClient(RemoteCoreClient):
         atexit.register(self._finalizer)
         self._handshake(conn, [self.proc.sentinel], start_timeout_s, started)
 
+    def shutdown(self) -> None:
+        super().shutdown()
+        atexit.unregister(self._finalizer)  # restarted instances would otherwise pile them up
+
     def kill(self) -> None:
         """SIGKILL the core (failure tests)."""
         self.proc.kill()
