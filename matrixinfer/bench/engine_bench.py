@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from pathlib import Path
+from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 import torch
 from tqdm import tqdm
@@ -49,6 +51,7 @@ class EngineBenchResult:
     profile_top_ops: list
     eager_profile_top_ops: list
     cpu: dict
+    peers: list = field(default_factory=list)  # PeerResult dicts (llama.cpp, vLLM) when --peers ran them
 
 
 def measure_bandwidth(n_bytes: int = 256 * 2**20, repeats: int = 5) -> float:
@@ -116,7 +119,15 @@ def _requests(n: int, input_len: int, vocab: int, seed: int = 0) -> list[list[in
     return [torch.randint(10, vocab, (input_len,), generator=g).tolist() for _ in range(n)]
 
 
-def run_matrixinfer(model_dir, dtype, prompts, output_len, profile: bool, enforce_eager: bool = False):
+class MatrixinferRun(NamedTuple):
+    llm: object
+    seconds: float
+    decode_step_s: float  # median step while every request decodes
+    top_ops: list
+    tokens: list[list[int]]  # each request's output token ids
+
+
+def run_matrixinfer(model_dir, dtype, prompts, output_len, profile: bool, enforce_eager: bool = False) -> MatrixinferRun:
     from matrixinfer import LLM, SamplingParams
 
     llm = LLM(model=model_dir, dtype=dtype, max_num_seqs=max(64, len(prompts)),
@@ -126,7 +137,7 @@ def run_matrixinfer(model_dir, dtype, prompts, output_len, profile: bool, enforc
     engine = llm.engine
     for i, p in enumerate(prompts):
         engine.add_request(f"bench-{i}", {"prompt_token_ids": p}, params)
-    decode_times, top_ops = [], []
+    decode_times, top_ops, tokens = [], [], {}
     start = time.perf_counter()
     desc = "matrixinfer eager" if enforce_eager else "matrixinfer"
     with tqdm(total=len(prompts) * output_len, desc=desc, unit="tok") as bar:
@@ -138,10 +149,13 @@ def run_matrixinfer(model_dir, dtype, prompts, output_len, profile: bool, enforc
             if all_decode and running == len(prompts):
                 decode_times.append(time.perf_counter() - t)
             bar.update(sum(1 for _ in outs))
+            for o in outs:
+                tokens[o.request_id] = list(o.outputs[0].token_ids)
     elapsed = time.perf_counter() - start
     if profile:
         top_ops = profile_decode(llm, prompts, output_len)
-    return llm, elapsed, sorted(decode_times)[len(decode_times) // 2] if decode_times else float("nan"), top_ops
+    step = sorted(decode_times)[len(decode_times) // 2] if decode_times else float("nan")
+    return MatrixinferRun(llm, elapsed, step, top_ops, [tokens[f"bench-{i}"] for i in range(len(prompts))])
 
 
 def profile_decode(llm, prompts, output_len, steps: int = 10) -> list:
@@ -192,8 +206,6 @@ def run_transformers(model_dir, dtype, prompts, output_len):
 
 
 def _display_path(path) -> str:
-    from pathlib import Path
-
     p = Path(path).resolve()
     return str(p.relative_to(Path.cwd())) if p.is_relative_to(Path.cwd()) else str(p)
 
@@ -203,25 +215,35 @@ def _median(xs):
 
 
 def run(model_dir: str, requests: int, input_len: int, output_len: int, dtype: str, threads: int,
-        profile: bool = True, repeats: int = 3) -> EngineBenchResult:
-    """Both sides `repeats` times, interleaved so that drifts of a shared machine hit both;
-    medians reported."""
+        profile: bool = True, repeats: int = 3, peers=None, peer_cache: Path | None = None) -> EngineBenchResult:
+    """Every side `repeats` times, interleaved so that drifts of a shared machine hit all;
+    medians reported. `peers` (bench/peers.py): llama.cpp / vLLM run in their own processes, one
+    at a time, on the same requests, after each round of ours."""
     torch.set_num_threads(threads)
+    from matrixinfer.bench.peers import run_peer
     from matrixinfer.config import ModelConfig
 
     cfg = ModelConfig.from_pretrained(model_dir)
     prompts = _requests(requests, input_len, cfg.vocab_size)
-    ours, eager, hf = [], [], []
+    warm = _requests(requests, input_len, cfg.vocab_size, seed=1)  # the peers' warm-up: same shape, other ids
+    ours, eager, hf, peer_runs = [], [], [], {}
     for i in range(repeats):
         last = profile and i == repeats - 1
-        llm, s, step, top_ops = run_matrixinfer(model_dir, dtype, prompts, output_len, last)
+        mi = run_matrixinfer(model_dir, dtype, prompts, output_len, last)
         if i == 0:  # later engines of this process reuse the compiled code
-            compile_s = llm.engine.worker.runner.compiled_decode.compile_s
-        ours.append((s, step))
-        llm.shutdown()
-        llm, s, step, eager_ops = run_matrixinfer(model_dir, dtype, prompts, output_len, last, enforce_eager=True)
-        eager.append((s, step))
+            compile_s = mi.llm.engine.worker.runner.compiled_decode.compile_s
+        ours.append((mi.seconds, mi.decode_step_s))
+        top_ops, our_tokens = mi.top_ops, mi.tokens
+        mi.llm.shutdown()
+        ea = run_matrixinfer(model_dir, dtype, prompts, output_len, last, enforce_eager=True)
+        eager.append((ea.seconds, ea.decode_step_s))
+        eager_ops, llm = ea.top_ops, ea.llm
         hf.append(run_transformers(model_dir, dtype, prompts, output_len))
+        for engine in peers.engines() if peers else []:
+            print(f"{engine} ...", flush=True)
+            peer_runs.setdefault(engine, []).append(
+                run_peer(engine, peers, model_dir, dtype, threads, prompts, warm, output_len, cfg.vocab_size,
+                         our_tokens, peer_cache or Path("bench-results") / "peers"))
     ours_s, ours_step = _median([o[0] for o in ours]), _median([o[1] for o in ours])
     eager_s, eager_step = _median([o[0] for o in eager]), _median([o[1] for o in eager])
     hf_s, hf_step = _median([h[0] for h in hf]), _median([h[1] for h in hf])
@@ -240,6 +262,7 @@ def run(model_dir: str, requests: int, input_len: int, output_len: int, dtype: s
         floor_decode_step_ms=max(step_bytes / bw, step_flops / peak) * 1e3, bytes_per_decode_step=step_bytes,
         memory_bandwidth_gb_s=bw / 1e9, flops_per_decode_step=step_flops, matmul_gflops=peak / 1e9, repeats=repeats, matrixinfer_seconds=ours_s, transformers_seconds=hf_s,
         profile_top_ops=top_ops, eager_profile_top_ops=eager_ops, cpu=cpu_info(),
+        peers=[asdict(sorted(rs, key=lambda r: r.seconds)[len(rs) // 2]) for rs in peer_runs.values()],
     )
 
 
@@ -274,9 +297,64 @@ def report(results: list[EngineBenchResult]) -> None:
           f"({last.matmul_gflops:.0f} GFLOP/s). `compile s`: the decode step's compile when the first engine of the "
           f"process starts (from inductor's disk cache if an earlier run filled it; engines started later in the "
           f"process reuse the compiled code, hence ~0 s).\n\n{table}\n\n![engine](engine.png)\n{profiles}")
+    if any(r.peers for r in results):
+        md += "\n" + peers_section(results)
     write_section("engine", md)
     save_json("engine", {"results": [asdict(r) for r in results]})
     plot(results)
+    if any(r.peers for r in results):
+        plot_peers(results)
+
+
+def _engines(r: EngineBenchResult) -> dict[str, float]:
+    """Output tokens/s of every engine of one result, ours first."""
+    out = {"matrixinfer": r.matrixinfer_tokens_per_s, "matrixinfer eager": r.eager_tokens_per_s,
+           "transformers": r.transformers_tokens_per_s}
+    out.update({p["engine"]: p["tokens_per_s"] for p in r.peers})
+    return out
+
+
+def peers_section(results: list[EngineBenchResult]) -> str:
+    rows = []
+    for r in results:
+        for p in r.peers:
+            rows.append([r.requests, r.input_len, r.output_len, r.dtype, p["engine"], p["tokens_per_s"],
+                         r.matrixinfer_tokens_per_s, f"{r.matrixinfer_tokens_per_s / p['tokens_per_s']:.2f}x",
+                         f"{100 * p['greedy_agreement']:.1f} %", f"{100 * p['requests_identical']:.0f} %"])
+    table = markdown_table(["requests", "input", "output", "dtype", "peer", "peer tok/s", "matrixinfer tok/s",
+                            "matrixinfer / peer", "tokens equal to ours", "requests equal to ours"], rows)
+    return ("### The CPU peers (`--peers`)\n\nThe same requests (token ids), dtype and threads, each peer in a "
+            "process of its own after our engine's round (one engine at a time), a warm-up call of the same "
+            "shape with other ids first; medians of the rounds. llama.cpp runs through llama-cpp-python's "
+            "batched low-level API on a GGUF made by llama.cpp's own converter; vLLM through its offline "
+            "`LLM.generate`. Greedy agreement is position by position against matrixinfer's tokens (float "
+            "rounding differs between engines, so a tie late in a sequence can diverge).\n\n"
+            f"{table}\n\n![engine peers](engine-peers.png)\n")
+
+
+def plot_peers(results: list[EngineBenchResult]) -> None:
+    """Output tokens/s vs concurrent requests, a line per engine, a panel per (input, output) shape."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from matrixinfer.bench.report import bench_dir
+
+    shapes = sorted({(r.input_len, r.output_len) for r in results})
+    fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4.5), squeeze=False)
+    for ax, (i, o) in zip(axes[0], shapes):
+        rs = sorted((r for r in results if (r.input_len, r.output_len) == (i, o)), key=lambda r: r.requests)
+        for name in _engines(rs[0]):
+            pts = [(r.requests, _engines(r)[name]) for r in rs if name in _engines(r)]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel("output tokens/s")
+        ax.set_title(f"{rs[0].dtype}, {i} in + {o} out, {rs[0].threads} threads")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(bench_dir() / "engine-peers.png", dpi=110)
 
 
 def plot(results: list[EngineBenchResult]) -> None:
@@ -312,15 +390,27 @@ def plot(results: list[EngineBenchResult]) -> None:
 def main(args) -> int:
     if len(args.input_len) != len(args.output_len):
         raise ValueError("--input-len and --output-len take the same number of values (they pair up)")
+    from matrixinfer.bench.peers import Peers
+
+    explicit = dict(llama_python=args.llama_python, vllm_python=args.vllm_python, llama_cpp_src=args.llama_cpp_src,
+                    gguf=args.peer_gguf)
+    peers = None
+    if args.peers:
+        peers = Peers.from_dir(args.peers, **explicit)
+    elif args.llama_python or args.vllm_python:
+        peers = Peers(**explicit)
     results = []
     for input_len, output_len in zip(args.input_len, args.output_len):
         for n in args.requests:
             results.append(run(args.model, n, input_len, output_len, args.dtype, args.threads,
-                               profile=not args.no_profile, repeats=args.repeats))
+                               profile=not args.no_profile, repeats=args.repeats, peers=peers,
+                               peer_cache=Path(args.out) / "peers"))
             r = results[-1]
             print(f"{n} requests, {input_len}+{output_len} tokens: matrixinfer {r.matrixinfer_tokens_per_s:.1f} "
                   f"tok/s (eager {r.eager_tokens_per_s:.1f}), transformers {r.transformers_tokens_per_s:.1f} tok/s, "
-                  f"compiled/eager {r.compiled_over_eager:.2f}x, vs HF {r.ratio:.2f}x", flush=True)
+                  f"compiled/eager {r.compiled_over_eager:.2f}x, vs HF {r.ratio:.2f}x"
+                  + "".join(f", {p['engine']} {p['tokens_per_s']:.1f} tok/s ({100 * p['greedy_agreement']:.0f} % "
+                            f"tokens equal)" for p in r.peers), flush=True)
     if not args.no_write:
         report(results)
     if args.json:  # the headline: most requests at the first (default) shape

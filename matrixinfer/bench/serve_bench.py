@@ -356,11 +356,11 @@ def offline_reference(args) -> dict:
     from matrixinfer.config import ModelConfig
 
     prompts = _requests(args.num_requests, args.input_len, ModelConfig.from_pretrained(args.model).vocab_size)
-    llm, elapsed, step, _ = run_matrixinfer(args.model, args.dtype or "auto", prompts, args.output_len, False,
-                                            enforce_eager=args.enforce_eager)
-    llm.shutdown()
-    return {"batch": args.num_requests, "decode_step_ms": step * 1e3,
-            "output_tok_s": args.num_requests * args.output_len / elapsed}
+    mi = run_matrixinfer(args.model, args.dtype or "auto", prompts, args.output_len, False,
+                         enforce_eager=args.enforce_eager)
+    mi.llm.shutdown()
+    return {"batch": args.num_requests, "decode_step_ms": mi.decode_step_s * 1e3,
+            "output_tok_s": args.num_requests * args.output_len / mi.seconds}
 
 
 def _table(report: dict) -> str:

@@ -71,6 +71,13 @@ def register(sub, bench_sub) -> None:
                    help="int8: INT8 W8A8 vs BF16 on the same requests instead (decode tok/s, weight memory)")
     b.add_argument("--int8-model", default=None, help="with --quantization int8: the INT8 checkpoint "
                                                       "(default: `matrixinfer quantize` of --model into a temp dir)")
+    b.add_argument("--peers", default=None, metavar="DIR",
+                   help="also run the CPU peers found in DIR (venv_llama/, venv_vllm/, a llama.cpp source for the "
+                        "GGUF converter; the layout of ../shared/peers), each in its own process, same requests")
+    b.add_argument("--llama-python", default=None, help="an interpreter with llama-cpp-python (a peer)")
+    b.add_argument("--vllm-python", default=None, help="an interpreter with vLLM's CPU build (a peer)")
+    b.add_argument("--llama-cpp-src", default=None, help="llama.cpp source tree whose converter makes the GGUF")
+    b.add_argument("--peer-gguf", default=None, help="a GGUF of --model in --dtype for llama.cpp (skips converting)")
     b.set_defaults(func=_bench_engine)
 
     from matrixinfer.bench import ep_bench, executor_bench, kv_connector_bench, prefill_bench, spec_bench

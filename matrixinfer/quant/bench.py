@@ -358,10 +358,10 @@ def engine_rows(float_dir: str, int8_dir: str, requests: list[int], input_len: i
         mem = {}
         for _ in range(repeats):
             for name, ckpt in (("bf16", float_dir), ("int8", int8_dir)):
-                llm, _, step, _ = run_matrixinfer(ckpt, "bfloat16", prompts_all[:n], output_len, False)
-                steps[name].append(step)
-                mem[name] = _weight_bytes(llm.engine.model)
-                llm.shutdown()
+                mi = run_matrixinfer(ckpt, "bfloat16", prompts_all[:n], output_len, False)
+                steps[name].append(mi.decode_step_s)
+                mem[name] = _weight_bytes(mi.llm.engine.model)
+                mi.llm.shutdown()
         bf16, int8 = _median(steps["bf16"]), _median(steps["int8"])
         rows.append({"requests": n, "bf16_decode_tok_s": n / bf16, "int8_decode_tok_s": n / int8,
                      "bf16_step_ms": bf16 * 1e3, "int8_step_ms": int8 * 1e3, "speedup": bf16 / int8,

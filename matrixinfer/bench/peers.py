@@ -1,0 +1,125 @@
+"""The CPU peers for `matrixinfer bench engine --peers`: llama.cpp (through llama-cpp-python) and
+vLLM's CPU build, each run under its own interpreter, one process at a time, on the same
+checkpoint, dtype, threads and token-id requests as our engine.
+
+Nothing here is imported by the engine or the tests' fixtures: a user points the bench at the
+peers (a folder laid out as ../shared/peers describes, or the interpreters one by one) and the
+bench converts the checkpoint as each needs (GGUF for llama.cpp, with llama.cpp's converter).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+RUNNERS = Path(__file__).parent / "peer_runners"
+
+
+@dataclass
+class Peers:
+    llama_python: str | None = None  # an interpreter with llama-cpp-python installed
+    llama_cpp_src: str | None = None  # a llama.cpp source tree: its convert_hf_to_gguf.py makes the GGUF
+    gguf: str | None = None  # or a GGUF file of the checkpoint in the bench's dtype, made beforehand
+    vllm_python: str | None = None  # an interpreter with vLLM (CPU build) installed
+    timeout_s: float = 1800.0
+
+    @classmethod
+    def from_dir(cls, peers_dir: str, **explicit) -> Peers:
+        """A folder as in shared/peers: venv_llama/, venv_vllm/ and a llama.cpp source
+        (llama.cpp/, or the llama-cpp-python sdist unpacked: llama_cpp_python-*/vendor/llama.cpp).
+        Explicit paths win over what the folder holds."""
+        root = Path(peers_dir)
+        found: dict = {}
+        for key, venv in (("llama_python", "venv_llama"), ("vllm_python", "venv_vllm")):
+            if (root / venv / "bin" / "python").exists():
+                found[key] = str(root / venv / "bin" / "python")
+        sources = [root / "llama.cpp", *sorted(root.glob("llama_cpp_python-*/vendor/llama.cpp"))]
+        src = next((s for s in sources if (s / "convert_hf_to_gguf.py").exists()), None)
+        if src is not None:
+            found["llama_cpp_src"] = str(src)
+        found.update({k: v for k, v in explicit.items() if v is not None})
+        if not (found.get("llama_python") or found.get("vllm_python")):
+            raise ValueError(f"{peers_dir} holds neither venv_llama/bin/python nor venv_vllm/bin/python")
+        return cls(**found)
+
+    def engines(self) -> list[str]:
+        return [name for name, python in (("llama.cpp", self.llama_python), ("vLLM", self.vllm_python)) if python]
+
+
+@dataclass
+class PeerResult:
+    engine: str
+    tokens_per_s: float
+    seconds: float
+    greedy_agreement: float  # fraction of output tokens equal to ours, position by position
+    requests_identical: float  # fraction of requests whose whole output equals ours
+
+
+def gguf_for(peers: Peers, model_dir: str, dtype: str, cache_dir: Path) -> str:
+    """The GGUF llama.cpp loads: the one given, or the checkpoint converted once (per dtype) into cache_dir."""
+    if peers.gguf:
+        return peers.gguf
+    if not peers.llama_cpp_src:
+        raise ValueError("llama.cpp needs a GGUF: pass --peer-gguf FILE, or a llama.cpp source tree "
+                         "(--llama-cpp-src, or one in the --peers folder) to convert the checkpoint with")
+    outtype = {"float32": "f32", "bfloat16": "bf16"}[dtype]
+    out = cache_dir / f"{Path(model_dir).resolve().name}-{outtype}.gguf"
+    if not out.exists():
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".partial")
+        _run([sys.executable, str(RUNNERS / "convert_gguf.py"), peers.llama_cpp_src, model_dir, outtype, str(tmp)],
+             None, peers.timeout_s, "the GGUF conversion")
+        tmp.rename(out)
+    return str(out)
+
+
+def vllm_overrides(model_dir: str) -> tuple[dict, dict]:
+    """(hf_overrides, environment) vLLM needs for a DeepSeek checkpoint: transformers 5 drops
+    V3's scoring_func / topk_method from config.json, and vLLM's CPU MLA kernel takes only a
+    576-wide latent (kv_lora_rank + rope = 512 + 64); other widths run its non-MLA path."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    overrides = {}
+    if cfg.get("model_type") == "deepseek_v3":
+        overrides = {"scoring_func": cfg.get("scoring_func", "sigmoid"), "topk_method": cfg.get("topk_method", "noaux_tc")}
+    width = cfg.get("kv_lora_rank", 0) + cfg.get("qk_rope_head_dim", 0)
+    return overrides, {} if width == 576 else {"VLLM_MLA_DISABLE": "1"}
+
+
+def run_peer(engine: str, peers: Peers, model_dir: str, dtype: str, threads: int, prompts: list[list[int]],
+             warm_prompts: list[list[int]], output_len: int, vocab: int, ours: list[list[int]],
+             cache_dir: Path) -> PeerResult:
+    """One peer, one process: a warm-up call, then the timed call on `prompts`."""
+    job = dict(prompts=prompts, warm_prompts=warm_prompts, output_len=output_len, threads=threads, vocab=vocab)
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    if engine == "llama.cpp":
+        job["gguf"] = gguf_for(peers, model_dir, dtype, cache_dir)
+        cmd = [peers.llama_python, str(RUNNERS / "run_llama_cpp.py")]
+    elif engine == "vLLM":
+        overrides, extra_env = vllm_overrides(model_dir)
+        job.update(model=str(Path(model_dir).resolve()), dtype=dtype, hf_overrides=overrides)
+        # its best CPU setting on a small machine: every core computes (the default reserves one)
+        env.update(extra_env, VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", VLLM_CPU_KVCACHE_SPACE="2")
+        cmd = [peers.vllm_python, str(RUNNERS / "run_vllm.py")]
+    else:
+        raise ValueError(f"unknown peer {engine!r}")
+    out = _run(cmd, json.dumps(job), peers.timeout_s, engine, env)
+    res = json.loads(out.strip().splitlines()[-1])
+    tokens = res["tokens"]
+    same = sum(a == b for t, o in zip(tokens, ours) for a, b in zip(t, o))
+    return PeerResult(engine=res["engine"], tokens_per_s=len(prompts) * output_len / res["seconds"],
+                      seconds=res["seconds"], greedy_agreement=same / max(1, len(prompts) * output_len),
+                      requests_identical=sum(t == o for t, o in zip(tokens, ours)) / max(1, len(prompts)))
+
+
+def _run(cmd: list[str], stdin: str | None, timeout: float, what: str, env: dict | None = None) -> str:
+    try:
+        p = subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired as e:
+        raise RuntimeError(f"{what} did not finish in {timeout:.0f} s") from e
+    if p.returncode != 0:
+        raise RuntimeError(f"{what} failed (exit {p.returncode}): {p.stderr.strip()[-2000:]}")
+    return p.stdout

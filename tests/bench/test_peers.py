@@ -1,0 +1,82 @@
+"""`bench engine --peers` plumbing without the peers themselves (they are never installed for the
+test suite): a stand-in interpreter answers the runner's JSON protocol, so these tests prove the
+job the bench sends, how greedy agreement is counted, that a failing or hanging peer is a clear
+error, and how a peers folder is discovered. The real llama.cpp / vLLM runs are the benchmark's
+(benchmarks/BENCHMARKS.md, "engine")."""
+
+import json
+import stat
+import sys
+
+import pytest
+
+from matrixinfer.bench.peers import Peers, run_peer, vllm_overrides
+
+
+def _fake_python(tmp_path, body: str):
+    """An executable that stands in for a peer's interpreter: it gets the runner's path as its
+    argument and the job on stdin, and runs `body` (Python) with `job` bound."""
+    path = tmp_path / "fake-python"
+    path.write_text(f"#!{sys.executable}\nimport json, sys, time\njob = json.load(sys.stdin)\n{body}\n")
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return str(path)
+
+
+def test_peer_job_and_greedy_agreement(tmp_path):
+    """The peer gets the same prompts, output length and threads; agreement is counted position by
+    position against our tokens, and a request counts as identical only when all of it matches."""
+    py = _fake_python(tmp_path, "\n".join([
+        "assert job['output_len'] == 3 and job['threads'] == 2 and job['gguf'] == 'm.gguf'",
+        "assert job['prompts'] == [[5, 6], [7, 8]] and job['warm_prompts'] == [[9, 9], [9, 9]]",
+        "print('some log line')",
+        "print(json.dumps({'engine': 'fake', 'seconds': 0.5, 'tokens': [[1, 2, 3], [1, 9, 3]]}))",
+    ]))
+    peers = Peers(llama_python=py, gguf="m.gguf")
+    r = run_peer("llama.cpp", peers, "unused", "float32", 2, [[5, 6], [7, 8]], [[9, 9], [9, 9]], 3, 4096,
+                 ours=[[1, 2, 3], [1, 2, 3]], cache_dir=tmp_path)
+    assert r.engine == "fake" and r.tokens_per_s == pytest.approx(2 * 3 / 0.5)
+    assert r.greedy_agreement == pytest.approx(5 / 6) and r.requests_identical == pytest.approx(0.5)
+
+
+def test_failing_or_hanging_peer_is_a_clear_error(tmp_path):
+    bad = Peers(llama_python=_fake_python(tmp_path, "sys.exit('no model here')"), gguf="m.gguf")
+    with pytest.raises(RuntimeError, match="llama.cpp failed .*no model here"):
+        run_peer("llama.cpp", bad, "unused", "float32", 1, [[5]], [[6]], 1, 10, [[1]], tmp_path)
+    slow = Peers(vllm_python=_fake_python(tmp_path, "time.sleep(30)"), timeout_s=1)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v3"}))
+    with pytest.raises(RuntimeError, match="did not finish in 1 s"):
+        run_peer("vLLM", slow, str(tmp_path), "float32", 1, [[5]], [[6]], 1, 10, [[1]], tmp_path)
+
+
+def test_llama_cpp_without_gguf_or_converter_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="llama.cpp needs a GGUF"):
+        run_peer("llama.cpp", Peers(llama_python=sys.executable), "unused", "float32", 1, [[5]], [[6]], 1, 10, [[1]],
+                 tmp_path)
+
+
+def test_peers_folder_discovery(tmp_path):
+    """The shared/peers layout: venvs by name, the converter inside an unpacked llama-cpp-python
+    sdist; explicit paths win; a folder with no peer is refused."""
+    for venv in ("venv_llama", "venv_vllm"):
+        (tmp_path / venv / "bin").mkdir(parents=True)
+        (tmp_path / venv / "bin" / "python").write_text("")
+    src = tmp_path / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"
+    src.mkdir(parents=True)
+    (src / "convert_hf_to_gguf.py").write_text("")
+    p = Peers.from_dir(str(tmp_path), vllm_python="/opt/vllm/python")
+    assert p.llama_python == str(tmp_path / "venv_llama" / "bin" / "python")
+    assert p.vllm_python == "/opt/vllm/python" and p.llama_cpp_src == str(src)
+    assert p.engines() == ["llama.cpp", "vLLM"]
+    with pytest.raises(ValueError, match="holds neither"):
+        Peers.from_dir(str(tmp_path / "llama_cpp_python-0.3.36"))
+
+
+def test_vllm_overrides_for_deepseek_configs(tmp_path):
+    """transformers 5 drops V3's routing keys, which vLLM reads; its CPU MLA kernel takes only 512 + 64."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "kv_lora_rank": 64,
+                                                      "qk_rope_head_dim": 16}))
+    assert vllm_overrides(str(tmp_path)) == ({"scoring_func": "sigmoid", "topk_method": "noaux_tc"},
+                                             {"VLLM_MLA_DISABLE": "1"})
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "kv_lora_rank": 512,
+                                                      "qk_rope_head_dim": 64, "scoring_func": "softmax"}))
+    assert vllm_overrides(str(tmp_path)) == ({"scoring_func": "softmax", "topk_method": "noaux_tc"}, {})
