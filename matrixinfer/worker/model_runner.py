@@ -10,24 +10,26 @@ from matrixinfer.engine.request import Logprob, PromptLogprobs
 from matrixinfer.engine.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from matrixinfer.model.context import ForwardContext, forward_context
 from matrixinfer.model.deepseek import DeepseekForCausalLM
-from matrixinfer.worker.compiled_decode import MIN_TABLE_WIDTH, CompiledDecode
+from matrixinfer.worker.compiled_decode import MIN_TABLE_WIDTH, CompiledDecode, padded_batch
 from matrixinfer.worker.sampler import SamplingRow, sample
 from matrixinfer.worker.spec_decode import SpecBatch, add_decode_queries, draft_context, verify
 
 
 class ModelRunner:
     def __init__(self, model: DeepseekForCausalLM, num_blocks: int, block_size: int, device: torch.device,
-                 compiled_decode: CompiledDecode | None = None, num_spec_tokens: int = 0):
+                 compile_decode: bool = False, num_spec_tokens: int = 0):
         self.model, self.device, self.block_size = model, device, block_size
-        self.compiled_decode = compiled_decode  # None: every step eager
         self.num_spec_tokens = num_spec_tokens  # MTP drafts per step (0: no speculative decoding)
         if num_spec_tokens and not len(model.model.mtp):
             raise ValueError("speculative method mtp needs a checkpoint with an MTP module (num_nextn_predict_layers "
                              "> 0 and its weights): this one has none")
+        # compiled decode steps pad small batches; the padding rows write into one extra block
+        # past the num_blocks the KV cache manager hands out
+        self.compiled_decode = CompiledDecode(model, num_blocks, block_size) if compile_decode else None
         dtype = model.lm_head.weight.dtype  # the model dtype (the router alone stays float32)
         layers = model.attention_layers()
         # One tensor for all layers: [layers, blocks, block_size, kv_lora_rank + rope]
-        self.kv_cache = torch.zeros(len(layers), num_blocks, block_size, model.config.kv_cache_dim,
+        self.kv_cache = torch.zeros(len(layers), num_blocks + compile_decode, block_size, model.config.kv_cache_dim,
                                     dtype=dtype, device=device)
         for i, attn in enumerate(layers):
             attn.kv_cache = self.kv_cache[i]
@@ -39,6 +41,9 @@ class ModelRunner:
         return len(model.attention_layers()) * block_size * model.config.kv_cache_dim * dtype.itemsize
 
     def prepare(self, reqs: list[ScheduledRequest], num_decode: int):
+        """The step's tensors. A decode-only step for the compiled graphs gets a block table at
+        least MIN_TABLE_WIDTH wide and, at small batch, padding rows (padded_batch): token 0 at
+        position 0 writing into the pad block, which their one-token context reads."""
         input_ids, positions, slots, query_lens, context_lens = [], [], [], [], []
         bs = self.block_size
         for r in reqs:
@@ -50,9 +55,15 @@ class ModelRunner:
             context_lens.append(r.start_pos + n)
         decode_only = num_decode == len(reqs) and len(input_ids) == len(reqs)
         max_blocks = max(len(r.block_table) for r in reqs)
-        if decode_only:
-            max_blocks = max(max_blocks, MIN_TABLE_WIDTH)
         tables = [r.block_table + [0] * (max_blocks - len(r.block_table)) for r in reqs]
+        if decode_only and self.compiled_decode is not None:
+            width = max(max_blocks, MIN_TABLE_WIDTH)
+            pad, pad_block = padded_batch(len(reqs)) - len(reqs), self.compiled_decode.pad_block
+            tables = [t + [0] * (width - max_blocks) for t in tables] + [[pad_block] * width] * pad
+            input_ids += [0] * pad
+            positions += [0] * pad
+            slots += [pad_block * bs] * pad
+            context_lens += [1] * pad
         dev = self.device
         ctx = ForwardContext(
             query_lens=query_lens, context_lens=context_lens,
@@ -85,7 +96,10 @@ class ModelRunner:
         prompt_logprobs = self.prompt_logprobs(reqs, hidden_all)
         if not sampling:
             return ModelRunnerOutput([], [], failed_kv_load_request_ids=set(skip), prompt_logprobs=prompt_logprobs)
-        hidden = hidden_all[self._last_rows(reqs)[[i for i, _ in sampling]]]
+        if len(sampling) == len(reqs) == hidden_all.shape[0]:  # one row per request, all sampled (decode)
+            hidden = hidden_all
+        else:
+            hidden = hidden_all[self._last_rows(reqs)[[i for i, _ in sampling]]]
         out = self._sample(self.model.compute_logits(hidden), [r for _, r in sampling])
         tokens = out.token_ids.tolist()
         return ModelRunnerOutput([r.request_id for _, r in sampling], tokens, self._logprobs(out, tokens, sampling),
@@ -176,7 +190,7 @@ class ModelRunner:
         """The model over one step's tokens: final hidden states [tokens, hidden]."""
         ids, pos, ctx = self.prepare(reqs, num_decode)
         if ctx.decode_only and self.compiled_decode is not None:
-            return self.compiled_decode(ids, pos, ctx)
+            return self.compiled_decode(ids, pos, ctx)[: len(reqs)]  # without the padding rows
         with forward_context(ctx):
             return self.model(ids, pos)
 

@@ -13,7 +13,6 @@ from matrixinfer.config import EngineConfig
 from matrixinfer.engine.scheduler import ModelRunnerOutput, SchedulerOutput
 from matrixinfer.kv_connector import make_worker_connector
 from matrixinfer.model.loader import load_model
-from matrixinfer.worker.compiled_decode import CompiledDecode
 from matrixinfer.worker.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -106,10 +105,10 @@ class Worker:
         if self.config.parallel.expert_parallel_size == 1:
             # a speculating runner's decode steps verify k + 1 tokens per sequence: they run eagerly
             spec = self.config.speculative.num_draft_tokens
-            compiled = None if self.config.enforce_eager or spec else CompiledDecode(self.model)
-            runner = ModelRunner(self.model, self.num_blocks, block_size, self.device, compiled, spec)
-            if compiled is not None:  # compile now (the cache exists), not on the first request
-                compiled.warm_up(self.config.scheduler.max_num_seqs, self.device)
+            compile_decode = not (self.config.enforce_eager or spec)
+            runner = ModelRunner(self.model, self.num_blocks, block_size, self.device, compile_decode, spec)
+            if compile_decode:  # compile now (the cache exists), not on the first request
+                runner.compiled_decode.warm_up(self.config.scheduler.max_num_seqs, self.device)
             return runner
         # expert parallelism runs eagerly: the exchanges' collectives and row counts are not compiled
         from matrixinfer.parallel import get_ep_group

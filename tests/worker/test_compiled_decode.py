@@ -4,45 +4,60 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from matrixinfer.model.context import ForwardContext, forward_context
+from matrixinfer.engine.scheduler import ScheduledRequest
 from matrixinfer.model.loader import load_model
-from matrixinfer.worker.compiled_decode import CompiledDecode
+from matrixinfer.worker.compiled_decode import STATIC_BATCHES, padded_batch
 from matrixinfer.worker.model_runner import ModelRunner
 from tests.hf_fixtures import make_checkpoint
 
 
+def test_small_batches_pad_to_a_static_bucket():
+    assert [padded_batch(n) for n in (1, 2, 3, 5, 8, 9, 33)] == [1, 2, 4, 8, 8, 9, 33]
+    assert STATIC_BATCHES[0] == 1
+
+
 @pytest.mark.slow
 def test_compiled_decode_equals_eager_without_graph_breaks(tmp_path):
-    """Decode-only batches of 1, 2 and 5 sequences (each expert path: gathered pairs, every
-    expert) over random cached latents give the eager hidden states (float32, 1e-5), in one
-    graph per batch-size range: no graph breaks (so no host syncs in the MoE) and no
-    recompiles beyond the warm-up's."""
+    """Decode-only steps of 1, 3, 5 and 12 sequences over random cached latents (3 and 5 pad
+    to a static bucket, 12 runs the dynamic graph; each expert path: gathered pairs, every
+    expert) give the eager runner's hidden states (float32, 1e-5) and write the same latents;
+    the padding rows write only into the pad block, past the blocks the KV manager hands out.
+    One graph per bucket, all compiled by the warm-up: no graph breaks (so no host syncs in
+    the MoE) and no recompiles while serving, also when the block tables widen."""
     make_checkpoint(tmp_path, "v3-qlora-yarn")  # 8 experts, top-3
     model = load_model(tmp_path, dtype="float32")
-    runner = ModelRunner(model, num_blocks=64, block_size=4, device=torch.device("cpu"))
+    blocks, bs = 64, 4
+    compiled = ModelRunner(model, num_blocks=blocks, block_size=bs, device=torch.device("cpu"), compile_decode=True)
+    # a model of its own: a runner binds its model's layers to its cache
+    eager = ModelRunner(load_model(tmp_path, dtype="float32"), num_blocks=blocks, block_size=bs,
+                        device=torch.device("cpu"))
+    assert compiled.kv_cache.shape[1] == blocks + 1 and compiled.compiled_decode.pad_block == blocks
     g = torch.Generator().manual_seed(0)
-    runner.kv_cache.normal_(generator=g)
     counters.clear()
-    compiled = CompiledDecode(model)
-    compiled.warm_up(8, torch.device("cpu"))
+    compiled.compiled_decode.warm_up(12, torch.device("cpu"))
     frames = counters["stats"]["unique_graphs"]
-    # one whole-forward graph per batch-size range (1; 2 and up here), not the forward in
+    # a whole-forward graph per bucket (1, 2, 4, 8 static; 12 dynamic), not the forward in
     # pieces (generators, graph breaks): a piecewise step keeps most of the overhead
-    assert frames <= 3, frames
-    for b in (1, 2, 5, 3):
-        with torch.inference_mode():  # as the runner builds its inputs (a guard checks it)
-            lens = torch.randint(1, 30, (b,), generator=g)
-            width = int(-(-lens.max() // 4)) + 1
-            tables = torch.randperm(64, generator=g)[: b * width].view(b, width)
-            slots = tables.gather(1, ((lens - 1) // 4)[:, None])[:, 0] * 4 + (lens - 1) % 4
-            ids = torch.randint(0, model.config.vocab_size, (b,), generator=g)
-            ctx = ForwardContext([], [], slots, tables, b, lens, decode_only=True)
-            eager_cache = runner.kv_cache.clone()
-            with forward_context(ctx):
-                ref = model(ids, lens - 1)
-            eager_cache, runner.kv_cache[:] = runner.kv_cache.clone(), eager_cache  # replay from the same cache
-            out = compiled(ids, lens - 1, ctx)
+    assert frames <= 5, frames
+    for b in (1, 3, 5, 12, 3):
+        compiled.kv_cache[:, :blocks].normal_(generator=g)
+        eager.kv_cache.copy_(compiled.kv_cache[:, :blocks])
+        pad_before = compiled.kv_cache[:, blocks:].clone()
+        lens = torch.randint(1, 30, (b,), generator=g).tolist()
+        order = torch.randperm(blocks, generator=g).tolist()
+        reqs = []
+        for i, n in enumerate(lens):
+            table, order = order[: -(-n // bs)], order[-(-n // bs):]
+            reqs.append(ScheduledRequest(f"r{i}", [int(torch.randint(0, model.config.vocab_size, (1,),
+                                                                         generator=g))], n - 1, table, True))
+        out = compiled.run(reqs, num_decode=b)
+        ref = eager.run(reqs, num_decode=b)
+        assert out.shape == ref.shape == (b, model.config.hidden_size)
         assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5), (b, (out - ref).abs().max())
-        assert torch.allclose(runner.kv_cache, eager_cache, rtol=1e-5, atol=1e-5)  # it wrote the same latents
+        # the same latents written, and nothing outside the pad block by the padding rows
+        assert torch.allclose(compiled.kv_cache[:, :blocks], eager.kv_cache, rtol=1e-5, atol=1e-5)
+        if b == padded_batch(b):
+            assert torch.equal(compiled.kv_cache[:, blocks:], pad_before)
     assert not counters["graph_break"], dict(counters["graph_break"])
-    assert counters["stats"]["unique_graphs"] == frames  # the warm-up compiled every range
+    assert counters["stats"]["unique_graphs"] == frames  # the warm-up compiled every bucket
+    assert compiled.compiled_decode.steps == 5 + 5  # the warm-up's 1, 2, 4, 8, 12 and the steps above
