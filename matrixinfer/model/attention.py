@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from matrixinfer.config import ModelConfig
+from matrixinfer.kernels import paged_mla_decode, paged_mla_decode_available
 from matrixinfer.model.context import ForwardContext, get_context
 from matrixinfer.model.layers import (
     ColumnParallelLinear,
@@ -43,24 +44,6 @@ from matrixinfer.model.layers import (
 )
 from matrixinfer.model.moe import run_stages
 from matrixinfer.parallel.state import get_head_group, get_sp_group
-
-
-# The paged cache write as an operator of its own, so that a compiled step writes the new
-# slots in place instead of copying the whole cache (which a mutated view of a graph input
-# costs). Registered through torch.library.Library rather than custom_op: a third of the
-# per-call overhead, which counts at one call per layer per step.
-_LIB = torch.library.Library("matrixinfer", "DEF")
-_LIB.define("write_latents(Tensor(a!) cache, Tensor slots, Tensor latents) -> ()")
-
-
-def _write_latents(cache: torch.Tensor, slots: torch.Tensor, latents: torch.Tensor) -> None:
-    """cache [blocks, block_size, D] <- latents [N, D] at flat slots [N]."""
-    cache.view(-1, cache.shape[-1]).index_copy_(0, slots, latents.to(cache.dtype))
-
-
-_LIB.impl("write_latents", _write_latents, "CompositeExplicitAutograd")
-torch.library.register_fake("matrixinfer::write_latents", lambda cache, slots, latents: None, lib=_LIB)
-write_latents = torch.ops.matrixinfer.write_latents
 
 
 class MLAttention(nn.Module):
@@ -183,10 +166,19 @@ class MLAttention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         return out.transpose(-3, -2)
 
-    def _attend_absorbed(self, q_nope, q_pe, latents, lens) -> torch.Tensor:
+    def _attend_paged(self, q_nope, q_pe, cache, block_tables, lens) -> torch.Tensor:
+        """One query per sequence over its latents in the paged cache: [S, H, *] -> [S, H, v].
+        On the CPU a kernel reads the latents where they lie (kernels/paged_mla_decode.cpp);
+        elsewhere they are gathered into [S, T, rank + rope] first."""
+        if paged_mla_decode_available(cache):
+            return self._attend_absorbed(q_nope, q_pe, None, lens, (cache, block_tables))
+        return self._attend_absorbed(q_nope, q_pe, cache[block_tables].flatten(1, 2), lens)
+
+    def _attend_absorbed(self, q_nope, q_pe, latents, lens, paged=None) -> torch.Tensor:
         """q_*: [S, H, *] one query per sequence; latents: [S, T, rank + rope]; lens: [S]. Returns [S, H, v].
         Several queries per sequence (speculative verification): q_* [S, Q, H, *] and lens [S, Q],
-        the keys each query sees; the queries are folded into the head dimension. Returns [S, Q, H, v]."""
+        the keys each query sees; the queries are folded into the head dimension. Returns [S, Q, H, v].
+        paged = (cache, block_tables) instead of latents: the paged kernel attends (one query each)."""
         if q_nope.dim() == 4:
             s, nq, h = q_nope.shape[:3]
             out = self._attend_absorbed(q_nope.flatten(1, 2), q_pe.flatten(1, 2), latents,
@@ -197,6 +189,9 @@ class MLAttention(nn.Module):
             w_uk, w_uv = (w.repeat(q_nope.shape[1] // self.n_heads, 1, 1) for w in (w_uk, w_uv))
         q_lat = torch.einsum("shd,hdr->shr", q_nope, w_uk)
         q = torch.cat([q_lat, q_pe], dim=-1)  # [S, H, rank + rope]
+        if paged is not None:
+            o_lat = paged_mla_decode(q, paged[0], paged[1], lens, self.scale, self.kv_lora_rank)
+            return torch.einsum("shr,hvr->shv", o_lat, w_uv)
         scores = torch.bmm(q, latents.transpose(1, 2)).float() * self.scale  # [S, H, T]
         valid = torch.arange(latents.shape[1], device=q.device)[None, :] < lens[..., None]  # [S, T] or [S, H, T]
         scores = scores.masked_fill(~valid[:, None, :] if lens.dim() == 1 else ~valid, float("-inf"))
@@ -219,7 +214,11 @@ class MLAttention(nn.Module):
 
     # -- paged path -----------------------------------------------------------------------------
     def _write_kv(self, slot_mapping: torch.Tensor, c_kv, k_pe) -> None:
-        write_latents(self.kv_cache, slot_mapping, torch.cat([c_kv, k_pe], dim=-1))
+        """cache [blocks, block_size, D] <- the new tokens' latents at their flat slots. Indexed
+        by (block, offset), not through a flattened view: a compiled step then writes the slots
+        in place, where a mutation through a view of a graph input copies the whole cache."""
+        bs = self.kv_cache.shape[1]
+        self.kv_cache[slot_mapping // bs, slot_mapping % bs] = torch.cat([c_kv, k_pe], dim=-1).to(self.kv_cache.dtype)
 
     def _forward_paged(self, ctx: ForwardContext, q_nope, q_pe, c_kv, k_pe) -> torch.Tensor:
         cache = self.kv_cache
@@ -227,18 +226,18 @@ class MLAttention(nn.Module):
         if ctx.decode_only:
             # Every sequence has one new token: shapes come from the tensors alone (the block
             # table is padded by the runner), so this path has no host syncs and compiles once.
-            latents = cache[ctx.block_tables].flatten(1, 2)
-            return self._attend_absorbed(q_nope, q_pe, latents, ctx.context_lens_tensor)
+            return self._attend_paged(q_nope, q_pe, cache, ctx.block_tables, ctx.context_lens_tensor)
         out = q_nope.new_empty(q_nope.shape[0], self.n_heads, self.v_dim)
         nd = ctx.num_decode_seqs
         if nd:
             tables = ctx.block_tables[:nd]
             max_len = max(ctx.context_lens[:nd])
             n_blocks = -(-max_len // cache.shape[1])
-            latents = cache[tables[:, :n_blocks]].flatten(1, 2)  # [S, n_blocks*block_size, D]
             if ctx.decode_query_len == 1:
-                out[:nd] = self._attend_absorbed(q_nope[:nd], q_pe[:nd], latents, ctx.context_lens_tensor[:nd])
+                out[:nd] = self._attend_paged(q_nope[:nd], q_pe[:nd], cache, tables[:, :n_blocks],
+                                              ctx.context_lens_tensor[:nd])
             else:  # k + 1 queries per sequence (speculative verification), causal among themselves
+                latents = cache[tables[:, :n_blocks]].flatten(1, 2)  # [S, n_blocks*block_size, D]
                 pad, nt = ctx.decode_pad_index, ctx.num_decode_tokens
                 qn, qp = (q_nope[:nt], q_pe[:nt]) if pad is None else (q_nope[pad], q_pe[pad])
                 o = self._attend_absorbed(qn.unflatten(0, (nd, -1)), qp.unflatten(0, (nd, -1)), latents,
