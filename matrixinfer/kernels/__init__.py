@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -35,6 +36,10 @@ def load_paged_mla_decode() -> bool:
         try:
             from torch.utils import cpp_extension
 
+            if shutil.which("ninja") is None:  # the pip package's binary, when its bin/ is not on PATH
+                import ninja
+
+                os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
             level = torch.backends.cpu.get_cpu_capability().lower()
             cpp_extension.load(name=f"matrixinfer_paged_mla_{level}", sources=[str(_SOURCE)],
                                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"], extra_ldflags=["-fopenmp"],
