@@ -436,6 +436,8 @@ class EngineConfig:
                        help="with --load-format ems: read the model directory at this many MB/s (object storage)")
         p.add_argument("--enforce-eager", action="store_true", default=None,
                        help="run decode steps eagerly instead of the torch.compile'd forward (no compile at start-up)")
+        p.add_argument("--num-threads", type=int, default=None,
+                       help="intra-op threads per rank (default: the machine's cores over the ranks)")
         p.add_argument("--deployment", default=None,
                        help="a deployment YAML (see matrixinfer/deployment.py): model, dtype and parallel sizes "
                             "from the file that `matrixinfer simulate deployment` reads")
@@ -484,6 +486,8 @@ class EngineConfig:
             kw["enable_prefix_caching"] = False
         if getattr(args, "enforce_eager", None):
             kw["enforce_eager"] = True
+        if getattr(args, "num_threads", None):
+            kw["num_threads"] = args.num_threads
         if getattr(args, "speculative_method", None):
             kw["speculative_config"] = {"method": args.speculative_method,
                                         "num_speculative_tokens": args.num_speculative_tokens}

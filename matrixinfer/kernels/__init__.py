@@ -1,11 +1,16 @@
-"""Hand-written CPU kernels for the hot spots PyTorch (eager or compiled) leaves on the table,
-each with the PyTorch code it replaces as its reference (tests compare them).
+"""Hand-written CPU operators for the hot spots PyTorch (eager or compiled) leaves on the table,
+each with the PyTorch code it replaces as its reference (tests compare them). One C++ file,
+cpu_ops.cpp:
 
-paged_mla_decode (paged_mla_decode.cpp): decode attention over the paged latent cache without
-gathering the latents first. Built with torch.utils.cpp_extension on first use (a C++
-compiler, as torch.compile itself needs; about a minute) and cached on disk, one build per CPU
-kernel level so a shared home never loads a binary its CPU cannot run. If the build fails
-the engine keeps the PyTorch path and says so once.
+- paged_mla_decode: decode attention over the paged latent cache without gathering the
+  latents first (the reference: MLAttention._attend_absorbed over gathered latents).
+- grouped_mm: (token, expert) rows grouped by expert times their experts' weights, sync-free
+  (ATen's _grouped_mm, which torch.compile otherwise traces for bfloat16 only).
+
+Built with torch.utils.cpp_extension on first use (a C++ compiler, as torch.compile itself
+needs; ninja from pip) and cached on disk, one build per CPU kernel level so a shared home
+never loads a binary its CPU cannot run. If the build fails the engine keeps the PyTorch
+paths and says so once.
 """
 
 from __future__ import annotations
@@ -19,18 +24,19 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "paged_mla_decode.cpp"
+_SOURCE = Path(__file__).parent / "cpu_ops.cpp"
 # -ffast-math: glibc offers its vectorised expf only then (a scalar exp per score cost more than
-# the rest of the kernel); the kernel keeps no infinities or NaNs for it to mishandle
-_state: dict[str, bool] = {}  # "paged_mla_decode" -> loaded
+# the rest of the kernel); the kernels keep no infinities or NaNs for it to mishandle
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
+_loaded: list[bool] = []  # [True] once built and loaded, [False] when it could not be
 
 
-def load_paged_mla_decode() -> bool:
-    """Build (once per machine) and load the kernel; False where it cannot be (not built with
-    MATRIXINFER_KERNELS=0, no compiler). Call it outside torch.compile tracing: the engine's
-    runner does, at construction."""
-    if "paged_mla_decode" in _state:
-        return _state["paged_mla_decode"]
+def load_cpu_ops() -> bool:
+    """Build (once per machine) and load the operators; False where they cannot be (turned
+    off with MATRIXINFER_KERNELS=0, no compiler). Call it outside torch.compile tracing: the
+    engine's runner does, at construction."""
+    if _loaded:
+        return _loaded[0]
     ok = False
     if os.environ.get("MATRIXINFER_KERNELS", "1") != "0":
         try:
@@ -41,29 +47,33 @@ def load_paged_mla_decode() -> bool:
 
                 os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
             level = torch.backends.cpu.get_cpu_capability().lower()
-            cpp_extension.load(name=f"matrixinfer_paged_mla_{level}", sources=[str(_SOURCE)],
-                               extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"], extra_ldflags=["-fopenmp"],
-                               is_python_module=False, verbose=False)
-            torch.library.register_fake("matrixinfer::paged_mla_decode")(_fake)
+            cpp_extension.load(name=f"matrixinfer_cpu_ops_{level}", sources=[str(_SOURCE)], extra_cflags=_CFLAGS,
+                               extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+            torch.library.register_fake("matrixinfer::paged_mla_decode")(
+                lambda q, cache, tables, lens, scale, rank: q.new_empty(q.shape[0], q.shape[1], rank))
+            torch.library.register_fake("matrixinfer::grouped_mm")(
+                lambda a, b, offs: a.new_empty(a.shape[0], b.shape[-1]))
             ok = True
-        except Exception as e:  # no compiler, or it failed: the PyTorch path still serves
-            log.warning("paged MLA decode kernel not built (%s): decode attention gathers the latents instead",
+        except Exception as e:  # no compiler, or it failed: the PyTorch paths still serve
+            log.warning("matrixinfer CPU operators not built (%s): the PyTorch paths serve instead",
                         str(e).strip().splitlines()[0][:300])
-    _state["paged_mla_decode"] = ok
+    _loaded.append(ok)
     return ok
 
 
-def _fake(q, cache, block_tables, context_lens, scale, rank):
-    return q.new_empty(q.shape[0], q.shape[1], rank)
-
-
-def paged_mla_decode_available(cache: torch.Tensor) -> bool:
-    """The kernel serves this cache: it was loaded (by the runner) and the cache is on the CPU."""
-    return _state.get("paged_mla_decode", False) and cache.device.type == "cpu"
+def cpu_ops_serve(device: torch.device) -> bool:
+    """The operators serve tensors on `device`: they were loaded (by the runner) and it is the CPU."""
+    return bool(_loaded) and _loaded[0] and device.type == "cpu"
 
 
 def paged_mla_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
                      scale: float, rank: int) -> torch.Tensor:
     """q [S, H, rank + rope] (the absorbed query), cache [blocks, block_size, rank + rope],
-    block_tables [S, W], context_lens [S] -> o_lat [S, H, rank]."""
+    block_tables [S, W], context_lens [S] (each >= 1) -> o_lat [S, H, rank]."""
     return torch.ops.matrixinfer.paged_mla_decode(q, cache, block_tables, context_lens, scale, rank)
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """a [P, K] rows grouped by expert, b [E, K, N], offs [E] int32: the end row of each
+    expert's group -> [P, N], each group times its expert's matrix."""
+    return torch.ops.matrixinfer.grouped_mm(a, b, offs)

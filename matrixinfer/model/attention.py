@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from matrixinfer.config import ModelConfig
-from matrixinfer.kernels import paged_mla_decode, paged_mla_decode_available
+from matrixinfer.kernels import cpu_ops_serve, paged_mla_decode
 from matrixinfer.model.context import ForwardContext, get_context
 from matrixinfer.model.layers import (
     ColumnParallelLinear,
@@ -168,9 +168,9 @@ class MLAttention(nn.Module):
 
     def _attend_paged(self, q_nope, q_pe, cache, block_tables, lens) -> torch.Tensor:
         """One query per sequence over its latents in the paged cache: [S, H, *] -> [S, H, v].
-        On the CPU a kernel reads the latents where they lie (kernels/paged_mla_decode.cpp);
+        On the CPU a kernel reads the latents where they lie (kernels/cpu_ops.cpp);
         elsewhere they are gathered into [S, T, rank + rope] first."""
-        if paged_mla_decode_available(cache):
+        if cpu_ops_serve(cache.device):
             return self._attend_absorbed(q_nope, q_pe, None, lens, (cache, block_tables))
         return self._attend_absorbed(q_nope, q_pe, cache[block_tables].flatten(1, 2), lens)
 

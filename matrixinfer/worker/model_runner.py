@@ -8,7 +8,7 @@ import torch
 
 from matrixinfer.engine.request import Logprob, PromptLogprobs
 from matrixinfer.engine.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from matrixinfer.kernels import load_paged_mla_decode
+from matrixinfer.kernels import load_cpu_ops
 from matrixinfer.model.context import ForwardContext, forward_context
 from matrixinfer.model.deepseek import DeepseekForCausalLM
 from matrixinfer.worker.compiled_decode import MIN_TABLE_WIDTH, CompiledDecode, padded_batch
@@ -20,8 +20,8 @@ class ModelRunner:
     def __init__(self, model: DeepseekForCausalLM, num_blocks: int, block_size: int, device: torch.device,
                  compile_decode: bool = False, num_spec_tokens: int = 0):
         self.model, self.device, self.block_size = model, device, block_size
-        if device.type == "cpu":  # decode attention reads the paged latents in place (built once per machine)
-            load_paged_mla_decode()
+        if device.type == "cpu":  # matrixinfer/kernels: built once per machine
+            load_cpu_ops()
         self.num_spec_tokens = num_spec_tokens  # MTP drafts per step (0: no speculative decoding)
         if num_spec_tokens and not len(model.model.mtp):
             raise ValueError("speculative method mtp needs a checkpoint with an MTP module (num_nextn_predict_layers "

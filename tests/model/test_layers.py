@@ -17,6 +17,7 @@ from matrixinfer.model.layers import (
     UnquantizedExpertsMethod,
     UnquantizedLinearMethod,
 )
+from matrixinfer.kernels import load_cpu_ops
 from matrixinfer.model.loader import load_model
 from tests.hf_fixtures import make_checkpoint
 
@@ -163,10 +164,11 @@ def test_quant_method_is_the_only_path_to_the_weights(tmp_path):
 
 
 @pytest.mark.parametrize("subset", [None, [0, 2, 3, 5, 6]])
-def test_the_three_expert_paths_agree(subset):
-    """The sync-free paths of small batches (gathered pair weights, every local expert) give
-    the grouped path's output, with all experts local and with a subset held (EP)."""
-    h, i, n_exp = 8, 6, 7
+def test_the_expert_paths_agree(subset):
+    """The sync-free paths (gathered pair weights, every local expert, and with all experts
+    local the grouped matmul operator) give the grouped path's output, with all experts local
+    and with a subset held (EP); the shapes pick the paths."""
+    h, i, n_exp = 8, 8, 7  # rows of 32 bytes: what the grouped matmul operator takes
     experts = RoutedExperts(n_exp, h, i, expert_ids=subset)
     with torch.no_grad():
         experts.w13_weight.normal_(generator=G)
@@ -176,8 +178,12 @@ def test_the_three_expert_paths_agree(subset):
     weights = torch.rand(3, 2, generator=G)
     with torch.no_grad():
         grouped = experts(x, weights, ids, path="grouped")
-        paths = ["all"] + (["pairs"] if subset is None else [])
+        paths = ["all"] + (["pairs"] + (["grouped_mm"] if load_cpu_ops() else []) if subset is None else [])
         for path in paths:
             assert torch.allclose(experts(x, weights, ids, path=path), grouped, atol=1e-5), path
     assert experts.path(1, 2) == ("pairs" if subset is None else "all")
+    cpu = torch.device("cpu")
+    big = "grouped_mm" if subset is None and load_cpu_ops() else "all"
+    assert experts.path(14, 2, cpu) == big and experts.path(14, 2) == "all"  # no device: no operator
     assert RoutedExperts(64, h, i).path(3, 2) == "pairs" and RoutedExperts(64, h, i).path(40, 2) == "grouped"
+    assert RoutedExperts(n_exp, h, 6).path(14, 2, cpu) == "all"  # 24-byte rows: not for the operator

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from matrixinfer.kernels import cpu_ops_serve
 from matrixinfer.model.layers.linear import copy_shard
 from matrixinfer.model.layers.quantization import UNQUANTIZED, QuantizationConfig
 from matrixinfer.parallel.state import get_tp_rank, get_tp_size
@@ -62,15 +63,22 @@ class RoutedExperts(nn.Module):
             self.local_index = self.local_index.to(ids.device)
         return torch.where(ids >= 0, self.local_index[ids.clamp_min(0)], -1)
 
-    def path(self, num_tokens: int, top_k: int) -> str:
+    def path(self, num_tokens: int, top_k: int, device: torch.device | None = None) -> str:
         """How a batch runs, chosen from shapes alone (so a compiled decode step has no graph
         break): "pairs" gathers each pair's expert weights when that reads fewer weights than
-        running every local expert; "all" runs every local expert on every token when that
+        running every local expert; "grouped_mm" groups the pairs by expert on the device and
+        runs one grouped matmul (no host sync; on the CPU, with the weights unquantized) once
+        there are four pairs per expert; "all" runs every local expert on every token when that
         costs at most 4x the routed work; "grouped" groups pairs by expert (one host sync on
-        the counts, the path of large batches)."""
+        the counts, the path of large batches). Measured on the CPU, per MoE layer at 32
+        tokens: grouped_mm 0.25 vs all 0.37 ms (8 experts, top-2, float32), 1.8 vs 3.0 ms (16
+        experts, top-4, bfloat16); level with all at 8 tokens, and slower in a whole compiled step."""
         n_local = len(self.expert_ids)
         if not self.is_subset and 2 * num_tokens * top_k <= n_local:
             return "pairs"
+        if (not self.is_subset and num_tokens * top_k >= 4 * n_local and self.quant_method.grouped_mm_serves(self)
+                and device is not None and cpu_ops_serve(device)):
+            return "grouped_mm"
         return "all" if n_local <= 4 * top_k else "grouped"
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, path: str | None = None) -> torch.Tensor:
@@ -79,7 +87,9 @@ class RoutedExperts(nn.Module):
         n, k = ids.shape
         if self.local_index.device != ids.device:
             self.local_index = self.local_index.to(ids.device)
-        path = path or self.path(n, k)
+        path = path or self.path(n, k, x.device)
+        if path == "grouped_mm":
+            return self._grouped_mm(x, weights, ids)
         if path == "pairs":
             y = self.quant_method.apply_pairs(self, x, self.local_index[ids])
             if y is not None:
@@ -92,6 +102,18 @@ class RoutedExperts(nn.Module):
                 combine.scatter_add_(1, torch.where(local >= 0, local, n_local), weights)
                 return torch.einsum("ne,enh->nh", combine[:, :n_local].to(x.dtype), y)
         return self._grouped(x, weights, ids)
+
+    def _grouped_mm(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Every pair local (no expert subset): sort the pairs by expert, count them with a
+        scatter (a static shape, where bincount's depends on the data), one grouped matmul."""
+        k, n_local = ids.shape[1], len(self.expert_ids)
+        local = self.local_index[ids.flatten()]
+        order = local.argsort(stable=True)
+        counts = torch.zeros(n_local, dtype=torch.long, device=x.device).index_add_(0, local, torch.ones_like(local))
+        token_idx = order // k
+        y = self.quant_method.apply_grouped_mm(self, x[token_idx], counts.cumsum(0).to(torch.int32))
+        y = y * weights.flatten()[order, None].to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, token_idx, y)
 
     def _grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         k = ids.shape[1]

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from matrixinfer.kernels import grouped_mm
+
 WeightLoader = Callable[..., None]
 
 
@@ -75,11 +77,29 @@ class ExpertsMethodBase:
         output from its expert's weights gathered per pair, with no host sync (None: no such path)."""
         return None
 
+    def grouped_mm_serves(self, layer: nn.Module) -> bool:
+        """apply_grouped_mm is available (the grouped matmul operator of matrixinfer/kernels)."""
+        return False
+
+    def apply_grouped_mm(self, layer: nn.Module, xs: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """xs [P, H] grouped by expert, offs [E] int32 the end row of each expert's group ->
+        the SwiGLU outputs [P, H], with no host sync."""
+        raise NotImplementedError
+
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         pass
 
 
 class UnquantizedExpertsMethod(ExpertsMethodBase):
+    def grouped_mm_serves(self, layer):
+        # the grouped matmul takes rows whose strides are multiples of 16 bytes
+        size = layer.w13_weight.element_size()
+        return all(d * size % 16 == 0 for d in (*layer.w13_weight.shape[1:], layer.w2_weight.shape[2]))
+
+    def apply_grouped_mm(self, layer, xs, offs):
+        gate, up = grouped_mm(xs, layer.w13_weight.transpose(1, 2), offs).chunk(2, dim=-1)
+        return grouped_mm(F.silu(gate) * up, layer.w2_weight.transpose(1, 2), offs)
+
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
                        weight_loader):
         i, h = intermediate_size_per_partition, hidden_size

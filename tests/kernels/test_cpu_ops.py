@@ -1,15 +1,16 @@
-"""The paged MLA decode kernel (kernels/paged_mla_decode.cpp) against the PyTorch path it
+"""The paged MLA decode kernel (kernels/cpu_ops.cpp) against the PyTorch path it
 replaces: gather the latents through the block table, then MLAttention._attend_absorbed."""
 
 import pytest
 import torch
 
 from matrixinfer.config import ModelConfig
-from matrixinfer.kernels import load_paged_mla_decode, paged_mla_decode
+import matrixinfer.kernels as kernels
+from matrixinfer.kernels import load_cpu_ops, paged_mla_decode
 from matrixinfer.model.attention import MLAttention
 from matrixinfer.model.context import ForwardContext, forward_context
 
-pytestmark = pytest.mark.skipif(not load_paged_mla_decode(), reason="no C++ compiler to build the kernel")
+pytestmark = pytest.mark.skipif(not load_cpu_ops(), reason="no C++ compiler to build the operators")
 
 
 def _case(dtype, seqs=5, heads=4, rank=64, rope=16, block_size=4, blocks=64, seed=0):
@@ -62,6 +63,22 @@ def test_attention_layer_same_output_with_and_without_the_kernel(monkeypatch):
     rope = attn.rotary.cos_sin(pos, x.dtype)
     with torch.inference_mode(), forward_context(ctx):
         with_kernel = attn(x, rope)
-        monkeypatch.setitem(__import__("matrixinfer.kernels", fromlist=["_state"])._state, "paged_mla_decode", False)
+        monkeypatch.setattr(kernels, "_loaded", [False])
         without = attn(x, rope)
     assert torch.allclose(with_kernel, without, rtol=1e-5, atol=1e-5), (with_kernel - without).abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_mm_equals_per_expert_matmuls_also_compiled(dtype):
+    """Rows grouped by expert (an empty group included) times their experts' matrices, eager
+    and inside torch.compile (whose own shape rule for ATen's grouped matmul takes bfloat16 only)."""
+    g = torch.Generator().manual_seed(0)
+    counts = torch.tensor([3, 0, 5, 2])
+    a = torch.randn(int(counts.sum()), 16, generator=g).to(dtype)
+    b = torch.randn(4, 16, 8, generator=g).to(dtype)
+    offs = counts.cumsum(0).to(torch.int32)
+    ref = torch.cat([rows.float() @ b[e].float() for e, rows in enumerate(a.split(counts.tolist()))])
+    tol = 1e-5 if dtype == torch.float32 else 5e-2
+    assert torch.allclose(kernels.grouped_mm(a, b, offs).float(), ref, rtol=tol, atol=tol)
+    compiled = torch.compile(kernels.grouped_mm, fullgraph=True, dynamic=False)
+    assert torch.allclose(compiled(a, b, offs).float(), ref, rtol=tol, atol=tol)

@@ -1,4 +1,6 @@
-// Weight-absorbed MLA decode attention straight from the paged latent cache, one query token
+// The CPU operators of matrixinfer/kernels (one extension, built once per machine).
+//
+// paged_mla_decode: weight-absorbed MLA decode attention straight from the paged latent cache, one query token
 // per sequence: o_lat[s, h] = softmax_t(scale * q[s, h] . cache[t]) @ cache[t, :rank], over the
 // context_lens[s] latents the block table points at. The PyTorch path gathers the latents into
 // a dense [S, T, rank + rope] tensor first and then runs two batched matmuls and a softmax;
@@ -173,9 +175,20 @@ at::Tensor paged_mla_decode(const at::Tensor& q, const at::Tensor& cache, const 
 
 }  // namespace
 
+// grouped_mm: rows grouped by expert times each expert's weights, the offsets on the device
+// (no host sync): ATen's _grouped_mm, whose shape function accepts only bfloat16 under
+// torch.compile, behind an operator of ours that says what it returns for every dtype.
+at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs) {
+  return at::_grouped_mm(a, b, offs);
+}
+
 TORCH_LIBRARY(matrixinfer, m) {
   m.def("paged_mla_decode(Tensor q, Tensor cache, Tensor block_tables, Tensor context_lens, float scale, "
         "int rank) -> Tensor");
+  m.def("grouped_mm(Tensor a, Tensor b, Tensor offs) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(matrixinfer, CPU, m) { m.impl("paged_mla_decode", paged_mla_decode); }
+TORCH_LIBRARY_IMPL(matrixinfer, CPU, m) {
+  m.impl("paged_mla_decode", paged_mla_decode);
+  m.impl("grouped_mm", grouped_mm);
+}
