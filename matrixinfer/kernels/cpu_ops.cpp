@@ -40,6 +40,30 @@ inline const float* widen(const c10::Half* src, int64_t n, float* __restrict wid
   return wide;
 }
 
+// G heads' scores of one latent row: G independent accumulators of 16 lanes share each load
+// of the row (one accumulator per head is a chain of dependent FMAs: 18 % slower at 512 + 64).
+// out[g * stride] <- q[g] . row for g < G.
+template <int G>
+inline void dots(const float* __restrict q, const float* __restrict row, int64_t D, float* __restrict out,
+                 int64_t stride) {
+  float acc[G][16] = {};
+  int64_t d0 = 0;
+  for (; d0 + 16 <= D; d0 += 16) {
+    for (int g = 0; g < G; ++g) {
+      const float* __restrict qg = q + g * D + d0;
+#pragma omp simd
+      for (int l = 0; l < 16; ++l) acc[g][l] += qg[l] * row[d0 + l];
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    float total = 0.f;
+    for (int64_t d = d0; d < D; ++d) total += q[g * D + d] * row[d];
+#pragma omp simd reduction(+ : total)
+    for (int l = 0; l < 16; ++l) total += acc[g][l];
+    out[g * stride] = total;
+  }
+}
+
 // Heads [h0, h1) of one sequence, one cache block at a time (flash-decoding's online softmax
 // with a block as the tile): the block's rows are scored for every head, then, while they are
 // still in L1, weighted into the running sums, rescaled when a head's maximum grows. Each
@@ -64,16 +88,15 @@ void attend(const scalar_t* __restrict q, const scalar_t* __restrict cache, cons
   for (int64_t start = 0; start < n; start += bs) {
     const int64_t rows = std::min(bs, n - start);
     const float* __restrict block = widen(cache + table[start / bs] * bs * D, rows * D, wide);
+    for (int64_t j = 0; j < rows; ++j) {  // the block's scores, G heads per pass over a row
+      const float* __restrict row = block + j * D;
+      int64_t h = 0;
+      for (; h + 8 <= nh; h += 8) dots<8>(qf + h * D, row, D, sc + h * bs + j, bs);
+      for (; h + 4 <= nh; h += 4) dots<4>(qf + h * D, row, D, sc + h * bs + j, bs);
+      for (; h < nh; ++h) dots<1>(qf + h * D, row, D, sc + h * bs + j, bs);
+    }
     for (int64_t h = 0; h < nh; ++h) {
-      const float* __restrict qh = qf + h * D;
       float* __restrict sh = sc + h * bs;
-      for (int64_t j = 0; j < rows; ++j) {
-        const float* __restrict row = block + j * D;
-        float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < D; ++d) dot += qh[d] * row[d];
-        sh[j] = dot;
-      }
       float best = sh[0];
       for (int64_t j = 1; j < rows; ++j) best = sh[j] > best ? sh[j] : best;
       float* __restrict a = acc + h * R;
