@@ -266,7 +266,7 @@ def run(model_dir: str, requests: int, input_len: int, output_len: int, dtype: s
     )
 
 
-def report(results: list[EngineBenchResult]) -> None:
+def report(results: list[EngineBenchResult], name: str = "engine") -> None:
     rows = [[r.requests, r.input_len, r.output_len, r.dtype, r.threads, r.matrixinfer_tokens_per_s,
              r.eager_tokens_per_s, r.transformers_tokens_per_s, f"{r.compiled_over_eager:.2f}x", f"{r.ratio:.2f}x",
              r.matrixinfer_decode_step_ms, r.eager_decode_step_ms, r.transformers_decode_step_ms,
@@ -284,7 +284,8 @@ def report(results: list[EngineBenchResult]) -> None:
                          f"(torch.profiler, self CPU time):\n\n"
                          f"{markdown_table(['op (eager)', '% self CPU', 'ms / step'], r.eager_profile_top_ops)}\n\n"
                          f"{markdown_table(['op (compiled)', '% self CPU', 'ms / step'], r.profile_top_ops)}\n")
-    md = (f"## Engine: matrixinfer vs its eager mode vs transformers `generate`\n\n"
+    title = "Engine" if name == "engine" else f"Engine ({name})"
+    md = (f"## {title}: matrixinfer vs its eager mode vs transformers `generate`\n\n"
           f"`matrixinfer bench engine` on `{last.model}`; same checkpoint, dtype, threads and requests on every "
           f"side; greedy, `ignore_eos`, outputs of exactly `output` tokens; each side run {last.repeats} times, "
           f"interleaved, medians shown. matrixinfer runs its default, the compiled decode step "
@@ -298,12 +299,12 @@ def report(results: list[EngineBenchResult]) -> None:
           f"process starts (from inductor's disk cache if an earlier run filled it; engines started later in the "
           f"process reuse the compiled code, hence ~0 s).\n\n{table}\n\n![engine](engine.png)\n{profiles}")
     if any(r.peers for r in results):
-        md += "\n" + peers_section(results)
-    write_section("engine", md)
-    save_json("engine", {"results": [asdict(r) for r in results]})
-    plot(results)
+        md += "\n" + peers_section(results, name)
+    write_section(name, md.replace("](engine.png)", f"]({name}.png)"))
+    save_json(name, {"results": [asdict(r) for r in results]})
+    plot(results, name)
     if any(r.peers for r in results):
-        plot_peers(results)
+        plot_peers(results, name)
 
 
 def _engines(r: EngineBenchResult) -> dict[str, float]:
@@ -314,7 +315,7 @@ def _engines(r: EngineBenchResult) -> dict[str, float]:
     return out
 
 
-def peers_section(results: list[EngineBenchResult]) -> str:
+def peers_section(results: list[EngineBenchResult], name: str = "engine") -> str:
     rows = []
     for r in results:
         for p in r.peers:
@@ -329,10 +330,10 @@ def peers_section(results: list[EngineBenchResult]) -> str:
             "batched low-level API on a GGUF made by llama.cpp's own converter; vLLM through its offline "
             "`LLM.generate`. Greedy agreement is position by position against matrixinfer's tokens (float "
             "rounding differs between engines, so a tie late in a sequence can diverge).\n\n"
-            f"{table}\n\n![engine peers](engine-peers.png)\n")
+            f"{table}\n\n![engine peers]({name}-peers.png)\n")
 
 
-def plot_peers(results: list[EngineBenchResult]) -> None:
+def plot_peers(results: list[EngineBenchResult], name: str = "engine") -> None:
     """Output tokens/s vs concurrent requests, a line per engine, a panel per (input, output) shape."""
     import matplotlib
 
@@ -354,10 +355,10 @@ def plot_peers(results: list[EngineBenchResult]) -> None:
         ax.set_title(f"{rs[0].dtype}, {i} in + {o} out, {rs[0].threads} threads")
         ax.legend()
     fig.tight_layout()
-    fig.savefig(bench_dir() / "engine-peers.png", dpi=110)
+    fig.savefig(bench_dir() / f"{name}-peers.png", dpi=110)
 
 
-def plot(results: list[EngineBenchResult]) -> None:
+def plot(results: list[EngineBenchResult], name: str = "engine") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -384,7 +385,7 @@ def plot(results: list[EngineBenchResult]) -> None:
     b.legend()
     fig.suptitle(f"{results[0].dtype}, {results[0].threads} threads (requests, input+output tokens)")
     fig.tight_layout()
-    fig.savefig(bench_dir() / "engine.png", dpi=110)
+    fig.savefig(bench_dir() / f"{name}.png", dpi=110)
 
 
 def main(args) -> int:
@@ -412,7 +413,7 @@ def main(args) -> int:
                   + "".join(f", {p['engine']} {p['tokens_per_s']:.1f} tok/s ({100 * p['greedy_agreement']:.0f} % "
                             f"tokens equal)" for p in r.peers), flush=True)
     if not args.no_write:
-        report(results)
+        report(results, args.name)
     if args.json:  # the headline: most requests at the first (default) shape
         first = [r for r in results if r.input_len == args.input_len[0] and r.output_len == args.output_len[0]]
         print(json.dumps(asdict(max(first, key=lambda r: r.requests))))

@@ -78,6 +78,7 @@ def register(sub, bench_sub) -> None:
     b.add_argument("--vllm-python", default=None, help="an interpreter with vLLM's CPU build (a peer)")
     b.add_argument("--llama-cpp-src", default=None, help="llama.cpp source tree whose converter makes the GGUF")
     b.add_argument("--peer-gguf", default=None, help="a GGUF of --model in --dtype for llama.cpp (skips converting)")
+    b.add_argument("--name", default="engine", help="benchmarks/<name>.json, <name>.png and the BENCHMARKS.md section")
     b.set_defaults(func=_bench_engine)
 
     from matrixinfer.bench import ep_bench, executor_bench, kv_connector_bench, prefill_bench, spec_bench

@@ -80,13 +80,14 @@ class CompiledDecode:
 
     @torch.inference_mode()
     def warm_up(self, max_batch: int, device: torch.device) -> float:
-        """Compile every static bucket up to max_batch, then the dynamic graph for each
-        batch-size range above (powers of two: sizes whose guards already hold cost one call,
-        not a compile). The dummy rows write into the pad block. Returns the seconds spent."""
+        """Compile every static bucket up to max_batch, then run every larger size once: the
+        dynamic graph's guards split the sizes where the model's shape-chosen paths change (the
+        MoE's, layers/experts.py), and a size whose guards already hold costs one forward, not a
+        compile, so no request meets a compile later (one did, for 15 s, when the warm-up
+        stepped over a range). The dummy rows write into the pad block. Returns the seconds spent."""
         t = time.perf_counter()
         sizes = [b for b in STATIC_BATCHES if b <= padded_batch(max_batch)]
-        while sizes[-1] < max_batch:
-            sizes.append(min(2 * sizes[-1], max_batch))
+        sizes += range(STATIC_BATCHES[-1] + 1, max_batch + 1)
         for b in sizes:
             ids = torch.zeros(b, dtype=torch.long, device=device)
             tables = torch.full((b, MIN_TABLE_WIDTH), self.pad_block, dtype=torch.long, device=device)
