@@ -39,7 +39,7 @@ class EngineBenchResult:
     matrixinfer_decode_step_ms: float
     eager_decode_step_ms: float
     transformers_decode_step_ms: float
-    compile_s: float  # the first engine's compile of the decode step (later engines of the process reuse it)
+    compile_s: float  # the first engine's compile of the decode step graphs (from the disk cache when warm)
     floor_decode_step_ms: float
     bytes_per_decode_step: int
     memory_bandwidth_gb_s: float
@@ -230,7 +230,7 @@ def run(model_dir: str, requests: int, input_len: int, output_len: int, dtype: s
     for i in range(repeats):
         last = profile and i == repeats - 1
         mi = run_matrixinfer(model_dir, dtype, prompts, output_len, last)
-        if i == 0:  # later engines of this process reuse the compiled code
+        if i == 0:  # the first engine: the cold (or disk-cached) compile
             compile_s = mi.llm.engine.worker.runner.compiled_decode.compile_s
         ours.append((mi.seconds, mi.decode_step_s))
         top_ops, our_tokens = mi.top_ops, mi.tokens
@@ -295,9 +295,9 @@ def report(results: list[EngineBenchResult], name: str = "engine") -> None:
           f"bytes it must read ({last.bytes_per_decode_step / 1e6:.1f} MB at {last.requests} requests: active weights "
           f"+ latent KV) over the measured copy bandwidth ({last.memory_bandwidth_gb_s:.1f} GB/s) and the matmul "
           f"FLOPs it must do ({last.flops_per_decode_step / 1e9:.2f} GFLOP) over the measured dense matmul rate "
-          f"({last.matmul_gflops:.0f} GFLOP/s). `compile s`: the decode step's compile when the first engine of the "
-          f"process starts (from inductor's disk cache if an earlier run filled it; engines started later in the "
-          f"process reuse the compiled code, hence ~0 s).\n\n{table}\n\n![engine](engine.png)\n{profiles}")
+          f"({last.matmul_gflops:.0f} GFLOP/s). `compile s`: the decode step's graphs compiled when the engine "
+          f"starts (from inductor's disk cache when an earlier run filled it; later engines of the process trace their "
+          f"own graphs again: each model instance keeps its own).\n\n{table}\n\n![engine](engine.png)\n{profiles}")
     if any(r.peers for r in results):
         md += "\n" + peers_section(results, name)
     write_section(name, md.replace("](engine.png)", f"]({name}.png)"))
