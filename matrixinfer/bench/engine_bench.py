@@ -346,9 +346,9 @@ def plot_peers(results: list[EngineBenchResult], name: str = "engine") -> None:
     fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4.5), squeeze=False)
     for ax, (i, o) in zip(axes[0], shapes):
         rs = sorted((r for r in results if (r.input_len, r.output_len) == (i, o)), key=lambda r: r.requests)
-        for name in _engines(rs[0]):
-            pts = [(r.requests, _engines(r)[name]) for r in rs if name in _engines(r)]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        for engine in _engines(rs[0]):
+            pts = [(r.requests, _engines(r)[engine]) for r in rs if engine in _engines(r)]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=engine)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent requests")
         ax.set_ylabel("output tokens/s")

@@ -80,3 +80,25 @@ def test_vllm_overrides_for_deepseek_configs(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "kv_lora_rank": 512,
                                                       "qk_rope_head_dim": 64, "scoring_func": "softmax"}))
     assert vllm_overrides(str(tmp_path)) == ({"scoring_func": "softmax", "topk_method": "noaux_tc"}, {})
+
+
+def test_report_with_peers_writes_named_files(tmp_path, monkeypatch):
+    """`bench engine --name N` with peers writes N.json, N.png, N-peers.png and a section that
+    links them (a loop variable once shadowed the name and the plot went elsewhere)."""
+    from dataclasses import fields
+
+    from matrixinfer.bench import report as rep
+    from matrixinfer.bench.engine_bench import EngineBenchResult, report
+
+    monkeypatch.setattr(rep, "BENCH_DIR", tmp_path)
+    base = {f.name: 1.0 for f in fields(EngineBenchResult)}
+    base.update(model="m", dtype="float32", threads=2, input_len=8, output_len=4, repeats=1, profile_top_ops=[],
+                eager_profile_top_ops=[], cpu={"cpu": "x", "torch_cpu_capability": "AVX2", "amx": [], "avx512_vnni": False})
+    peer = {"engine": "llama.cpp (x)", "tokens_per_s": 2.0, "seconds": 1.0, "greedy_agreement": 1.0,
+            "requests_identical": 1.0}
+    results = [EngineBenchResult(**{**base, "requests": n, "peers": [peer]}) for n in (1, 8)]
+    report(results, "engine-x")
+    assert {p.name for p in tmp_path.iterdir()} >= {"engine-x.json", "engine-x.png", "engine-x-peers.png",
+                                                    "BENCHMARKS.md"}
+    md = (tmp_path / "BENCHMARKS.md").read_text()
+    assert "](engine-x.png)" in md and "](engine-x-peers.png)" in md and "llama.cpp (x)" in md
