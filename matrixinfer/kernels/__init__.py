@@ -28,15 +28,16 @@ _SOURCE = Path(__file__).parent / "cpu_ops.cpp"
 # -ffast-math: glibc offers its vectorised expf only then (a scalar exp per score cost more than
 # the rest of the kernel); the kernels keep no infinities or NaNs for it to mishandle
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
-_loaded: list[bool] = []  # [True] once built and loaded, [False] when it could not be
+_loaded: bool | None = None  # None until load_cpu_ops ran: then whether the operators are there
 
 
 def load_cpu_ops() -> bool:
     """Build (once per machine) and load the operators; False where they cannot be (turned
     off with MATRIXINFER_KERNELS=0, no compiler). Call it outside torch.compile tracing: the
     engine's runner does, at construction."""
-    if _loaded:
-        return _loaded[0]
+    global _loaded
+    if _loaded is not None:
+        return _loaded
     ok = False
     if os.environ.get("MATRIXINFER_KERNELS", "1") != "0":
         try:
@@ -57,13 +58,13 @@ def load_cpu_ops() -> bool:
         except Exception as e:  # no compiler, or it failed: the PyTorch paths still serve
             log.warning("matrixinfer CPU operators not built (%s): the PyTorch paths serve instead",
                         str(e).strip().splitlines()[0][:300])
-    _loaded.append(ok)
+    _loaded = ok
     return ok
 
 
 def cpu_ops_serve(device: torch.device) -> bool:
     """The operators serve tensors on `device`: they were loaded (by the runner) and it is the CPU."""
-    return bool(_loaded) and _loaded[0] and device.type == "cpu"
+    return bool(_loaded) and device.type == "cpu"
 
 
 def paged_mla_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,

@@ -61,7 +61,7 @@ class Worker:
         self.max_model_len = max_model_len_of(config, self.model.config.max_position_embeddings)
         self.num_blocks = num_kv_blocks(config, self.model, self.max_model_len)
         self.runner = self._make_runner()
-        compiled = getattr(self.runner, "compiled_decode", None)
+        compiled = self.runner.compiled_decode
         log.info("rank %d: %d intra-op threads, CPU kernels %s, decode step %s", rank, torch.get_num_threads(),
                  torch.backends.cpu.get_cpu_capability(),
                  "eager" if compiled is None else f"compiled in {compiled.compile_s:.1f} s")

@@ -89,7 +89,7 @@ class RoutedExperts(nn.Module):
             self.local_index = self.local_index.to(ids.device)
         path = path or self.path(n, k, x.device)
         if path == "grouped_mm":
-            return self._grouped_mm(x, weights, ids)
+            return self._grouped(x, weights, ids, sync_free=True)
         if path == "pairs":
             y = self.quant_method.apply_pairs(self, x, self.local_index[ids])
             if y is not None:
@@ -103,27 +103,22 @@ class RoutedExperts(nn.Module):
                 return torch.einsum("ne,enh->nh", combine[:, :n_local].to(x.dtype), y)
         return self._grouped(x, weights, ids)
 
-    def _grouped_mm(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Every pair local (no expert subset): sort the pairs by expert, count them with a
-        scatter (a static shape, where bincount's depends on the data), one grouped matmul."""
+    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, sync_free: bool = False) -> torch.Tensor:
+        """Pairs grouped by expert, each group through its expert. sync_free (every expert local,
+        path "grouped_mm"): one grouped matmul with the group ends on the device; otherwise the
+        quant method's apply, which reads the counts on the host. Counted by a scatter: a static
+        shape, where bincount's depends on the data."""
         k, n_local = ids.shape[1], len(self.expert_ids)
-        local = self.local_index[ids.flatten()]
-        order = local.argsort(stable=True)
-        counts = torch.zeros(n_local, dtype=torch.long, device=x.device).index_add_(0, local, torch.ones_like(local))
-        token_idx = order // k
-        y = self.quant_method.apply_grouped_mm(self, x[token_idx], counts.cumsum(0).to(torch.int32))
-        y = y * weights.flatten()[order, None].to(x.dtype)
-        return torch.zeros_like(x).index_add_(0, token_idx, y)
-
-    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        k = ids.shape[1]
         local = self.local_index[ids.flatten()]
         pair = torch.nonzero(local >= 0).flatten() if self.is_subset else torch.arange(local.numel(), device=x.device)
         local = local[pair]
         order = local.argsort(stable=True)  # group pairs by expert
         pair, local = pair[order], local[order]
         token_idx = pair // k
-        counts = torch.bincount(local, minlength=len(self.expert_ids))
-        y = self.quant_method.apply(self, x[token_idx], local, counts)
+        counts = torch.zeros(n_local, dtype=torch.long, device=x.device).index_add_(0, local, torch.ones_like(local))
+        if sync_free:
+            y = self.quant_method.apply_grouped_mm(self, x[token_idx], counts.cumsum(0).to(torch.int32))
+        else:
+            y = self.quant_method.apply(self, x[token_idx], local, counts)
         y = y * weights.flatten()[pair, None].to(x.dtype)
         return torch.zeros_like(x).index_add_(0, token_idx, y)
