@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -154,7 +154,7 @@ def run_matrixinfer(model_dir, dtype, prompts, output_len, profile: bool, enforc
     elapsed = time.perf_counter() - start
     if profile:
         top_ops = profile_decode(llm, prompts, output_len)
-    step = sorted(decode_times)[len(decode_times) // 2] if decode_times else float("nan")
+    step = _median(decode_times) if decode_times else float("nan")
     return MatrixinferRun(llm, elapsed, step, top_ops, [tokens[f"bench-{i}"] for i in range(len(prompts))])
 
 

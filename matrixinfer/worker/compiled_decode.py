@@ -68,7 +68,7 @@ class CompiledDecode:
         self.steps = 0  # decode steps served (warm-up included)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """input_ids [padded_batch(n)]: the runner pads small batches (see pad_rows)."""
+        """input_ids [padded_batch(n)]: the runner pads small batches (ModelRunner.prepare)."""
         self.steps += 1
         if input_ids.shape[0] <= STATIC_BATCHES[-1]:
             torch._dynamo.mark_dynamic(ctx.block_tables, 1)  # the one symbolic size of a static graph
