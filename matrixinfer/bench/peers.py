@@ -9,6 +9,7 @@ bench converts the checkpoint as each needs (GGUF for llama.cpp, with llama.cpp'
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -67,7 +68,12 @@ def gguf_for(peers: Peers, model_dir: str, dtype: str, cache_dir: Path) -> str:
         raise ValueError("llama.cpp needs a GGUF: pass --peer-gguf FILE, or a llama.cpp source tree "
                          "(--llama-cpp-src, or one in the --peers folder) to convert the checkpoint with")
     outtype = {"float32": "f32", "bfloat16": "bf16"}[dtype]
-    out = cache_dir / f"{Path(model_dir).resolve().name}-{outtype}.gguf"
+    # keyed by the checkpoint's path and its files' sizes and times, not its folder name alone:
+    # another checkpoint of the same name, or this one rewritten, gets a conversion of its own
+    src = Path(model_dir).resolve()
+    stamp = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(src.iterdir()) if f.is_file()]
+    key = hashlib.sha1(repr((str(src), stamp)).encode()).hexdigest()[:12]
+    out = cache_dir / f"{src.name}-{key}-{outtype}.gguf"
     if not out.exists():
         cache_dir.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(".partial")

@@ -102,3 +102,28 @@ def test_report_with_peers_writes_named_files(tmp_path, monkeypatch):
                                                     "BENCHMARKS.md"}
     md = (tmp_path / "BENCHMARKS.md").read_text()
     assert "](engine-x.png)" in md and "](engine-x-peers.png)" in md and "llama.cpp (x)" in md
+
+
+def test_gguf_cache_is_keyed_by_the_checkpoint_not_its_folder_name(tmp_path, monkeypatch):
+    """Two checkpoints in folders of the same name, or one rewritten, never share a converted
+    GGUF; the same unchanged checkpoint converts once."""
+    import matrixinfer.bench.peers as peers_mod
+
+    calls = []
+
+    def fake_convert(cmd, stdin, timeout, what, env=None):
+        calls.append(cmd[3])
+        open(cmd[-1], "w").write("gguf")
+        return ""
+
+    monkeypatch.setattr(peers_mod, "_run", fake_convert)
+    a, b = tmp_path / "a" / "model", tmp_path / "b" / "model"
+    for d in (a, b):
+        d.mkdir(parents=True)
+        (d / "config.json").write_text("{}")
+    (b / "config.json").write_text('{"other": 1}')
+    p = Peers(llama_python="x", llama_cpp_src="src")
+    cache = tmp_path / "cache"
+    first, again = peers_mod.gguf_for(p, str(a), "float32", cache), peers_mod.gguf_for(p, str(a), "float32", cache)
+    other = peers_mod.gguf_for(p, str(b), "float32", cache)
+    assert first == again and other != first and len(calls) == 2
