@@ -107,6 +107,10 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return []
         n_full = req.num_computed_tokens // self.block_size
+        # blocks are named in order, so a named last full block means nothing new: the common
+        # decode step returns here without touching the token list
+        if n_full == 0 or self.blocks[req.block_table[n_full - 1]].hash is not None:
+            return []
         names = self.request_block_hashes(req, n_full)
         tokens, new = req.all_token_ids, []
         for i in range(n_full):

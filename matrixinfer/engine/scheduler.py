@@ -219,11 +219,11 @@ class Scheduler:
         sample = start + n == req.num_tokens
         penalties = sample and req.params.has_penalties
         s = ScheduledRequest(
-            req.request_id, req.all_token_ids[start:start + n] + list(drafts), start, list(req.block_table), sample,
+            req.request_id, req.token_ids_between(start, start + n) + list(drafts), start, list(req.block_table), sample,
             req.params if sample else None,
             req.prompt_token_ids if penalties else None, req.output_token_ids if penalties else None,
             req.eos_token_ids if sample else (), num_draft=len(drafts), spec=sample and self._speculates(req),
-            next_token_id=None if sample or not self.num_spec_tokens else req.all_token_ids[start + n])
+            next_token_id=None if sample or not self.num_spec_tokens else req.token_ids_between(start + n, start + n + 1)[0])
         if req.prompt_logprobs is not None and start < len(req.prompt_token_ids):
             s.prompt_logprobs = req.params.prompt_logprobs
             s.next_prompt_token_ids = req.prompt_token_ids[start + 1:start + n + 1]

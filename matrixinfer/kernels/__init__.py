@@ -6,6 +6,8 @@ cpu_ops.cpp:
   latents first (the reference: MLAttention._attend_absorbed over gathered latents).
 - grouped_mm: (token, expert) rows grouped by expert times their experts' weights, sync-free
   (ATen's _grouped_mm, which torch.compile otherwise traces for bfloat16 only).
+- argmax_rows: greedy sampling's argmax over float32 logits rows, vectorised (the reference:
+  torch.argmax, first index on ties).
 
 Built with torch.utils.cpp_extension on first use (a C++ compiler, as torch.compile itself
 needs; ninja from pip) and cached on disk, one build per CPU kernel level so a shared home
@@ -54,6 +56,8 @@ def load_cpu_ops() -> bool:
                 lambda q, cache, tables, lens, scale, rank: q.new_empty(q.shape[0], q.shape[1], rank))
             torch.library.register_fake("matrixinfer::grouped_mm")(
                 lambda a, b, offs: a.new_empty(a.shape[0], b.shape[-1]))
+            torch.library.register_fake("matrixinfer::argmax_rows")(
+                lambda x: x.new_empty(x.shape[0], dtype=torch.long))
             ok = True
         except Exception as e:  # no compiler, or it failed: the PyTorch paths still serve
             log.warning("matrixinfer CPU operators not built (%s): the PyTorch paths serve instead",
@@ -78,3 +82,11 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
     """a [P, K] rows grouped by expert, b [E, K, N], offs [E] int32: the end row of each
     expert's group -> [P, N], each group times its expert's matrix."""
     return torch.ops.matrixinfer.grouped_mm(a, b, offs)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [S, V] -> [S] int64, the first index of each row's maximum: the operator for float32
+    rows on the CPU, torch.argmax otherwise."""
+    if x.dim() == 2 and x.dtype == torch.float32 and x.shape[1] and cpu_ops_serve(x.device):
+        return torch.ops.matrixinfer.argmax_rows(x)
+    return x.argmax(dim=-1)

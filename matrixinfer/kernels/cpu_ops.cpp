@@ -205,13 +205,61 @@ at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor
   return at::_grouped_mm(a, b, offs);
 }
 
+// argmax_rows: the index of each row's largest value, the first one on ties (torch.argmax's
+// answer): what greedy sampling does to every row of logits. ATen's CPU argmax reduces one
+// element at a time; here a vectorised max over the row, then the first 64-wide chunk holding
+// it, then the index inside that chunk. A row of -inf only (every token masked) answers 0, as
+// torch.argmax does: the fast-math build's max starts from the lowest finite float, so such a
+// row finds no element equal to it. NaN rows are not defined here (logits have none).
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "argmax_rows: float32 [rows, n], got ", x.sizes());
+  TORCH_CHECK(x.size(1) > 0, "argmax_rows: empty rows");
+  const at::Tensor c = x.contiguous();
+  const int64_t rows = c.size(0), n = c.size(1);
+  at::Tensor out = at::empty({rows}, c.options().dtype(at::kLong));
+  const float* data = c.data_ptr<float>();
+  int64_t* idx = out.data_ptr<int64_t>();
+  constexpr int64_t kChunk = 64;
+  at::parallel_for(0, rows, std::max<int64_t>(1, (int64_t{1} << 16) / n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = data + r * n;
+      float lanes[16];  // 16 running maxima, one per vector lane
+      for (int l = 0; l < 16; ++l) lanes[l] = row[std::min<int64_t>(l, n - 1)];
+      int64_t j0 = 0;
+      for (; j0 + 16 <= n; j0 += 16) {
+#pragma omp simd
+        for (int l = 0; l < 16; ++l) lanes[l] = lanes[l] > row[j0 + l] ? lanes[l] : row[j0 + l];
+      }
+      float m = lanes[0];
+      for (int l = 1; l < 16; ++l) m = std::max(m, lanes[l]);
+      for (int64_t j = j0; j < n; ++j) m = std::max(m, row[j]);
+      int64_t at = 0;
+      for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
+        const int64_t e = std::min(n, c0 + kChunk);
+        int hit = 0;
+#pragma omp simd reduction(| : hit)
+        for (int64_t j = c0; j < e; ++j) hit |= row[j] == m;
+        if (hit) {
+          at = c0;
+          while (row[at] != m) ++at;
+          break;
+        }
+      }
+      idx[r] = at;
+    }
+  });
+  return out;
+}
+
 TORCH_LIBRARY(matrixinfer, m) {
   m.def("paged_mla_decode(Tensor q, Tensor cache, Tensor block_tables, Tensor context_lens, float scale, "
         "int rank) -> Tensor");
   m.def("grouped_mm(Tensor a, Tensor b, Tensor offs) -> Tensor");
+  m.def("argmax_rows(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(matrixinfer, CPU, m) {
   m.impl("paged_mla_decode", paged_mla_decode);
   m.impl("grouped_mm", grouped_mm);
+  m.impl("argmax_rows", argmax_rows);
 }

@@ -8,7 +8,7 @@ import torch
 
 from matrixinfer.engine.request import Logprob, PromptLogprobs
 from matrixinfer.engine.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from matrixinfer.kernels import load_cpu_ops
+from matrixinfer.kernels import argmax_rows, load_cpu_ops
 from matrixinfer.model.context import ForwardContext, forward_context
 from matrixinfer.model.deepseek import DeepseekForCausalLM
 from matrixinfer.worker.compiled_decode import MIN_TABLE_WIDTH, CompiledDecode, padded_batch
@@ -158,7 +158,7 @@ class ModelRunner:
         drafts = []
         if at is not None:
             for depth in range(k):
-                drafts.append(self.model.compute_logits(h).argmax(-1))
+                drafts.append(argmax_rows(self.model.compute_logits(h).float()))
                 if depth + 1 < k:  # the MTP layer again, one position further, on its own output
                     with forward_context(draft_context(ctx, b, p, reqs, depth + 1, bs)):
                         h = self.model.mtp_forward(h, drafts[-1], p + depth + 2,

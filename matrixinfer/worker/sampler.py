@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from matrixinfer.engine.sampling_params import SamplingParams
+from matrixinfer.kernels import argmax_rows
 
 
 @dataclass
@@ -110,7 +111,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
     num_logprobs = [r.params.logprobs for r in rows if r.params.logprobs is not None]
     raw_logprobs = torch.log_softmax(logits, dim=-1) if num_logprobs else None
     logits = process_logits(logits, rows)
-    tokens = logits.argmax(dim=-1)
+    tokens = argmax_rows(logits)
     random = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random:
         dev = logits.device
@@ -125,7 +126,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
             g = rows[i].generator
             if g is not None:  # seeded rows draw on the CPU: reproducible on any device and batch
                 q[j] = torch.empty(q.shape[1]).exponential_(generator=g).to(dev)
-        tokens[idx] = (filtered.softmax(-1) / q).argmax(dim=-1)
+        tokens[idx] = argmax_rows(filtered.softmax(-1) / q)
     if raw_logprobs is None:
         return SamplerOutput(tokens)
     k = max(num_logprobs)

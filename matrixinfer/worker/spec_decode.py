@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from matrixinfer.engine.scheduler import ScheduledRequest
+from matrixinfer.kernels import argmax_rows
 from matrixinfer.model.context import ForwardContext
 
 
@@ -111,7 +112,7 @@ def verify(logits: torch.Tensor, b: SpecBatch) -> tuple[torch.Tensor, torch.Tens
     A request's new tokens are its first accepted + 1 rows' tokens."""
     from matrixinfer.worker.sampler import filter_logits
 
-    target = logits.argmax(-1)
+    target = argmax_rows(logits.float())
     if b.greedy_only:
         accept = target == b.row_draft
         token = target
@@ -123,7 +124,7 @@ def verify(logits: torch.Tensor, b: SpecBatch) -> tuple[torch.Tensor, torch.Tens
         d = b.row_draft.clamp(min=0)[:, None]
         accept = has_draft & (b.uniform < probs.gather(1, d)[:, 0])
         residual = torch.where(has_draft[:, None], probs.scatter(1, d, 0.0), probs)  # p - q, q one-hot
-        token = (residual / b.noise).argmax(-1)  # exponential race: a draw from the normalised residual
+        token = argmax_rows(residual / b.noise)  # exponential race: a draw from the normalised residual
     accepted = accept[b.req_rows].long().cumprod(1).sum(1)
     return torch.where(b.row_pos < accepted[b.row_req], b.row_draft, token), accepted
 

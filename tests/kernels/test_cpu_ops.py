@@ -82,3 +82,24 @@ def test_grouped_mm_equals_per_expert_matmuls_also_compiled(dtype):
     assert torch.allclose(kernels.grouped_mm(a, b, offs).float(), ref, rtol=tol, atol=tol)
     compiled = torch.compile(kernels.grouped_mm, fullgraph=True, dynamic=False)
     assert torch.allclose(compiled(a, b, offs).float(), ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("width", [1, 15, 16, 64, 100, 4096])
+def test_argmax_rows_equals_torch_argmax(width):
+    """The first index of each row's maximum, as torch.argmax answers: random rows of widths
+    around the 16-lane vectors and 64-wide chunks, ties (the first one wins, wherever it lies),
+    a row of -inf only (0) and rows partly masked to -inf, as sampling masks tokens."""
+    from matrixinfer.kernels import argmax_rows
+
+    g = torch.Generator().manual_seed(width)
+    x = torch.randn(40, width, generator=g)
+    x[1] = float("-inf")
+    x[2, : width // 2] = float("-inf")
+    if width > 3:
+        x[3, [width - 1, width // 3, 2]] = 9.0  # a three-way tie: index 2 wins
+        x[4, [width - 1, width - 2]] = 9.0
+    x[5] = 0.0  # all equal: index 0
+    got = torch.ops.matrixinfer.argmax_rows(x)
+    assert torch.equal(got, x.argmax(dim=-1))
+    assert torch.equal(argmax_rows(x[:, :width]), x.argmax(dim=-1))  # and the helper's path
+    assert torch.equal(argmax_rows(x.double()), x.argmax(dim=-1))  # other dtypes: torch.argmax
