@@ -129,10 +129,13 @@ class MatrixinferRun(NamedTuple):
 
 def run_matrixinfer(model_dir, dtype, prompts, output_len, profile: bool, enforce_eager: bool = False) -> MatrixinferRun:
     from matrixinfer import LLM, SamplingParams
+    from matrixinfer.engine.sampling_params import RequestOutputKind
 
     llm = LLM(model=model_dir, dtype=dtype, max_num_seqs=max(64, len(prompts)),
               max_num_batched_tokens=max(2048, len(prompts[0]) * 4), enforce_eager=enforce_eager)
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    # one output per request when it finishes, as LLM.generate asks (and transformers returns)
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
     llm.generate([{"prompt_token_ids": prompts[0][:16]}], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     engine = llm.engine
     for i, p in enumerate(prompts):
@@ -140,7 +143,7 @@ def run_matrixinfer(model_dir, dtype, prompts, output_len, profile: bool, enforc
     decode_times, top_ops, tokens = [], [], {}
     start = time.perf_counter()
     desc = "matrixinfer eager" if enforce_eager else "matrixinfer"
-    with tqdm(total=len(prompts) * output_len, desc=desc, unit="tok") as bar:
+    with tqdm(total=output_len, desc=desc, unit="step") as bar:  # about one step per output token
         while engine.has_unfinished_requests():
             running = len(engine.scheduler.running)
             all_decode = not engine.scheduler.waiting and all(s.num_uncomputed == 1 for s in engine.scheduler.running)
@@ -148,7 +151,7 @@ def run_matrixinfer(model_dir, dtype, prompts, output_len, profile: bool, enforc
             outs = engine.step()
             if all_decode and running == len(prompts):
                 decode_times.append(time.perf_counter() - t)
-            bar.update(sum(1 for _ in outs))
+            bar.update(1)
             for o in outs:
                 tokens[o.request_id] = list(o.outputs[0].token_ids)
     elapsed = time.perf_counter() - start

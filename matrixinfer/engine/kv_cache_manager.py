@@ -82,6 +82,10 @@ class KVCacheManager:
         """Blocks for req's next num_new_tokens, after its locally cached computed_blocks (taken on
         its first allocation) and num_external_tokens whose KV a connector will write. False,
         with nothing changed, when there are not enough free blocks."""
+        if not computed_blocks and not num_external_tokens and req.num_cached_tokens >= 0:
+            # the common decode step: the new tokens fit the blocks it holds
+            if req.num_computed_tokens + num_new_tokens <= len(req.block_table) * self.block_size:
+                return True
         computed_blocks = computed_blocks or []
         free_hits = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)  # hits still in the queue
         total = req.num_computed_tokens + len(computed_blocks) * self.block_size + num_external_tokens + num_new_tokens

@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+
+class RequestOutputKind(enum.Enum):
+    """What a request reports each step (vLLM's names): CUMULATIVE, everything so far after
+    every step that changed it (streams); FINAL_ONLY, one output when it finishes (offline
+    generate: a step then builds no output for the other requests, whose token lists it would
+    copy each time, O(n^2) over a long answer)."""
+    CUMULATIVE = 0
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -26,6 +36,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs to return besides the sampled token's
     prompt_logprobs: int | None = None  # top-N besides each prompt token's own logprob (computes the whole prompt)
     skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stop_list: list[str] = field(init=False, repr=False)
 
     def __post_init__(self):

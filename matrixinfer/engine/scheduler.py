@@ -144,10 +144,12 @@ class Scheduler:
         drafts: dict[str, list[int]] = {}
         # 1. running requests, oldest first; preempt from the tail when blocks run out
         for req in list(self.running):
-            if req not in self.running or budget == 0:
+            if req.status is not RequestStatus.RUNNING or budget == 0:  # preempted by an earlier one
                 continue
-            want = min(req.num_uncomputed, budget)
-            d = drafts[req.request_id] = self._drafts(req, budget - want) if want == req.num_uncomputed == 1 else []
+            uncomputed = req.num_uncomputed
+            want = min(uncomputed, budget)
+            d = drafts[req.request_id] = (self._drafts(req, budget - want)
+                                          if self.num_spec_tokens and want == uncomputed == 1 else [])
             while not self.kv.allocate_slots(req, want + len(d) + self.lookahead):
                 victim = self.running[-1]
                 self._preempt(victim)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterator
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from matrixinfer.config import DEFAULT_MODEL, EngineConfig
-from matrixinfer.engine.sampling_params import SamplingParams
+from matrixinfer.engine.sampling_params import RequestOutputKind, SamplingParams
 from matrixinfer.frontend.llm_engine import LLMEngine
 from matrixinfer.frontend.outputs import RequestOutput
 
@@ -34,6 +35,10 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        # one output per request, when it finishes (the caller sees nothing sooner)
+        final = {}
+        params = [final.setdefault(id(p), dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY))
+                  for p in params]
         ids = [str(next(self._counter)) for _ in prompts]
         try:
             for rid, prompt, p in zip(ids, prompts, params):

@@ -8,7 +8,7 @@ import time
 
 from matrixinfer.engine.messages import EngineCoreOutput
 from matrixinfer.engine.request import Logprob
-from matrixinfer.engine.sampling_params import SamplingParams
+from matrixinfer.engine.sampling_params import RequestOutputKind, SamplingParams
 from matrixinfer.frontend.outputs import CompletionOutput, RequestOutput
 from matrixinfer.frontend.processor import child_id
 from matrixinfer.frontend.tokenizer import Tokenizer
@@ -70,6 +70,7 @@ class RequestState:
         self.arrival_time, self.first_token_time = arrival_time, None
         self.num_cached_tokens, self.num_preemptions = 0, 0
         self.prompt_logprobs = None
+        self.final_only = params.output_kind is RequestOutputKind.FINAL_ONLY
 
     @property
     def finished(self) -> bool:
@@ -133,7 +134,9 @@ class OutputProcessor:
             changed[state.request_id] = state
         results = []
         for state in changed.values():
-            results.append(state.output())
-            if state.finished:
+            finished = state.finished
+            if finished or not state.final_only:
+                results.append(state.output())
+            if finished:
                 self.remove(state.request_id)
         return results, to_abort

@@ -31,6 +31,7 @@ _SOURCE = Path(__file__).parent / "cpu_ops.cpp"
 # the rest of the kernel); the kernels keep no infinities or NaNs for it to mishandle
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 _loaded: bool | None = None  # None until load_cpu_ops ran: then whether the operators are there
+_small_mm_dtypes: set[torch.dtype] = set()  # what small_mm was built for on this CPU (AVX-512, AVX512-BF16)
 
 
 def load_cpu_ops() -> bool:
@@ -58,6 +59,9 @@ def load_cpu_ops() -> bool:
                 lambda a, b, offs: a.new_empty(a.shape[0], b.shape[-1]))
             torch.library.register_fake("matrixinfer::argmax_rows")(
                 lambda x: x.new_empty(x.shape[0], dtype=torch.long))
+            torch.library.register_fake("matrixinfer::small_mm")(
+                lambda x, w, experts: x.new_empty(x.shape[0], w.shape[1]))
+            _probe_small_mm()
             ok = True
         except Exception as e:  # no compiler, or it failed: the PyTorch paths still serve
             log.warning("matrixinfer CPU operators not built (%s): the PyTorch paths serve instead",
@@ -90,3 +94,24 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     if x.dim() == 2 and x.dtype == torch.float32 and x.shape[1] and cpu_ops_serve(x.device):
         return torch.ops.matrixinfer.argmax_rows(x)
     return x.argmax(dim=-1)
+
+
+def _probe_small_mm() -> None:
+    for dtype in (torch.float32, torch.bfloat16):
+        try:
+            torch.ops.matrixinfer.small_mm(torch.ones(1, 4, dtype=dtype), torch.ones(1, 1, 4, dtype=dtype), None)
+            _small_mm_dtypes.add(dtype)
+        except RuntimeError:  # "not built for": this CPU lacks the instructions
+            pass
+
+
+def small_mm_serves(dtype: torch.dtype, device: torch.device) -> bool:
+    """small_mm takes tensors of `dtype` on `device` here."""
+    return dtype in _small_mm_dtypes and cpu_ops_serve(device)
+
+
+def small_mm(x: torch.Tensor, w: torch.Tensor, experts: torch.Tensor | None = None) -> torch.Tensor:
+    """x [P, K], w [E, N, K] (nn.Linear's layout per expert), experts [P] int64: each row's
+    matrix (None: w holds one, E = 1) -> [P, N], row p times w[experts[p]] transposed. For a
+    few rows; F.linear per row is the reference."""
+    return torch.ops.matrixinfer.small_mm(x, w, experts)

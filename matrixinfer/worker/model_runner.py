@@ -22,6 +22,8 @@ class ModelRunner:
         self.model, self.device, self.block_size = model, device, block_size
         if device.type == "cpu":  # matrixinfer/kernels: built once per machine
             load_cpu_ops()
+            for attn in model.attention_layers():
+                attn.prepare_absorbed()
         self.num_spec_tokens = num_spec_tokens  # MTP drafts per step (0: no speculative decoding)
         if num_spec_tokens and not len(model.model.mtp):
             raise ValueError("speculative method mtp needs a checkpoint with an MTP module (num_nextn_predict_layers "
@@ -50,12 +52,16 @@ class ModelRunner:
         input_ids, positions, slots, query_lens, context_lens = [], [], [], [], []
         bs = self.block_size
         for r in reqs:
-            n = len(r.token_ids)
+            n, start = len(r.token_ids), r.start_pos
             input_ids += r.token_ids
-            positions += range(r.start_pos, r.start_pos + n)
-            slots += [r.block_table[p // bs] * bs + p % bs for p in range(r.start_pos, r.start_pos + n)]
+            if n == 1:  # a decode row
+                positions.append(start)
+                slots.append(r.block_table[start // bs] * bs + start % bs)
+            else:
+                positions += range(start, start + n)
+                slots += [r.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
             query_lens.append(n)
-            context_lens.append(r.start_pos + n)
+            context_lens.append(start + n)
         decode_only = num_decode == len(reqs) and len(input_ids) == len(reqs)
         max_blocks = max(len(r.block_table) for r in reqs)
         tables = [r.block_table + [0] * (max_blocks - len(r.block_table)) for r in reqs]

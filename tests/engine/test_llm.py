@@ -95,6 +95,29 @@ def test_streaming_iterator_grows_to_the_final_output(llm):
     assert seen[-1] == final.token_ids
 
 
+def test_final_only_reports_once_per_request_and_generate_uses_it(llm):
+    """RequestOutputKind.FINAL_ONLY: steps build no output for an unfinished request, one
+    when it finishes, with everything the cumulative kind ends with; generate() asks for it
+    without changing the caller's params."""
+    from matrixinfer.engine.sampling_params import RequestOutputKind
+
+    engine = llm.engine
+    final_only = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+    engine.add_request("fo-a", "for i in", final_only)
+    engine.add_request("fo-b", "def", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    seen = {"fo-a": [], "fo-b": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    assert len(seen["fo-a"]) == 1 and seen["fo-a"][0].finished and len(seen["fo-a"][0].outputs[0].token_ids) == 6
+    assert len(seen["fo-b"]) == 6
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    out = llm.generate("for i in", params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == seen["fo-a"][0].outputs[0].token_ids
+    assert out.outputs[0].text == seen["fo-a"][0].outputs[0].text
+    assert params.output_kind is RequestOutputKind.CUMULATIVE
+
+
 def test_prefix_cache_hit_gives_identical_output(text_checkpoint):
     """A repeated long prompt is served mostly from cached blocks, with the same greedy output;
     another namespace gets no hit."""

@@ -3,6 +3,7 @@ replaces: gather the latents through the block table, then MLAttention._attend_a
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from matrixinfer.config import ModelConfig
 import matrixinfer.kernels as kernels
@@ -103,3 +104,57 @@ def test_argmax_rows_equals_torch_argmax(width):
     assert torch.equal(got, x.argmax(dim=-1))
     assert torch.equal(argmax_rows(x[:, :width]), x.argmax(dim=-1))  # and the helper's path
     assert torch.equal(argmax_rows(x.double()), x.argmax(dim=-1))  # other dtypes: torch.argmax
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k, n", [(256, 384), (77, 33)])
+def test_small_mm_equals_linear_per_row(dtype, k, n):
+    """Each row times its expert's matrix, as F.linear computes it in float32 from the same
+    inputs: rows in any order, experts with one to nine rows and one with none, widths off the
+    vector sizes (K tails, N tails), and the dense form (one matrix, no expert ids). float32
+    to 1e-5; bfloat16 within the rounding of its output (float32 accumulation)."""
+    from matrixinfer.kernels import small_mm, small_mm_serves
+
+    if not small_mm_serves(dtype, torch.device("cpu")):
+        pytest.skip(f"this CPU's build has no small_mm for {dtype}")
+    g = torch.Generator().manual_seed(k)
+    w = torch.randn(5, n, k, generator=g).to(dtype)
+    experts = torch.tensor([3, 0, 3, 1, 3, 0] + [4] * 9 + [1, 3])[torch.randperm(17, generator=g)]  # expert 2: none
+    x = torch.randn(17, k, generator=g).to(dtype)
+    ref = torch.stack([F.linear(x[p].float(), w[e].float()) for p, e in enumerate(experts.tolist())])
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    got = small_mm(x, w, experts)
+    assert got.dtype == dtype and got.shape == (17, n)
+    assert ((got.float() - ref).abs().max() / ref.abs().max()) < tol
+    dense = small_mm(x[:3], w[4:5])
+    assert ((dense.float() - F.linear(x[:3].float(), w[4].float())).abs().max() / ref.abs().max()) < tol
+    with pytest.raises(RuntimeError, match="names expert"):
+        small_mm(x, w, torch.full((17,), 5))
+
+
+def test_absorbed_copies_give_the_same_attention_in_bfloat16():
+    """MLAttention's decode with W_UK^T / W_UV copied for the few-rows operator
+    (prepare_absorbed) equals the einsums over kv_b_proj's views, within bfloat16 rounding,
+    for one query per sequence and for speculative verification's folded queries."""
+    from matrixinfer.kernels import small_mm_serves
+
+    if not small_mm_serves(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("this CPU's build has no bfloat16 small_mm")
+    cfg = ModelConfig(vocab_size=64, hidden_size=64, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32,
+                      qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
+    torch.manual_seed(0)
+    attn = MLAttention(cfg, 0).to(torch.bfloat16)
+    for p in attn.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    g = torch.Generator().manual_seed(1)
+    q_nope, q_pe = torch.randn(5, 4, 16, generator=g).bfloat16(), torch.randn(5, 4, 8, generator=g).bfloat16()
+    latents, lens = torch.randn(5, 12, 40, generator=g).bfloat16(), torch.tensor([1, 12, 5, 7, 3])
+    folded = (q_nope.view(5, 1, 4, 16).expand(5, 2, 4, 16), q_pe.view(5, 1, 4, 8).expand(5, 2, 4, 8),
+              latents, torch.stack([lens, lens.clamp(max=4)], 1))
+    with torch.inference_mode():
+        views = attn._attend_absorbed(q_nope, q_pe, latents, lens), attn._attend_absorbed(*folded)
+        attn.prepare_absorbed()
+        assert attn.absorbed is not None
+        copies = attn._attend_absorbed(q_nope, q_pe, latents, lens), attn._attend_absorbed(*folded)
+    for a, b in zip(views, copies):
+        assert a.shape == b.shape and ((a.float() - b.float()).abs().max() / a.float().abs().max()) < 2e-2

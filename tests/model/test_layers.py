@@ -17,7 +17,7 @@ from matrixinfer.model.layers import (
     UnquantizedExpertsMethod,
     UnquantizedLinearMethod,
 )
-from matrixinfer.kernels import load_cpu_ops
+from matrixinfer.kernels import load_cpu_ops, small_mm_serves
 from matrixinfer.model.loader import load_model
 from tests.hf_fixtures import make_checkpoint
 
@@ -144,6 +144,14 @@ class Recording(QuantizationConfig):
                 config.applied.add(prefix)
                 return super().apply_pairs(layer, x, local)
 
+            def apply_grouped_mm(self, layer, xs, offs):
+                config.applied.add(prefix)
+                return super().apply_grouped_mm(layer, xs, offs)
+
+            def apply_small_mm(self, layer, xs, experts):
+                config.applied.add(prefix)
+                return super().apply_small_mm(layer, xs, experts)
+
         return Method()
 
 
@@ -178,11 +186,17 @@ def test_the_expert_paths_agree(subset):
     weights = torch.rand(3, 2, generator=G)
     with torch.no_grad():
         grouped = experts(x, weights, ids, path="grouped")
-        paths = ["all"] + (["pairs"] + (["grouped_mm"] if load_cpu_ops() else []) if subset is None else [])
+        ops = ["grouped_mm", "small_mm"] if load_cpu_ops() and small_mm_serves(torch.float32, x.device) else []
+        paths = ["all"] + (["pairs"] + ops if subset is None else [])
         for path in paths:
             assert torch.allclose(experts(x, weights, ids, path=path), grouped, atol=1e-5), path
     assert experts.path(1, 2) == ("pairs" if subset is None else "all")
     cpu = torch.device("cpu")
+    if subset is None and ops:  # a few pairs per expert: the operator, but float32 keeps pairs at 1 token
+        assert experts.path(1, 2, cpu, torch.float32) == "pairs"
+        assert experts.path(3, 2, cpu, torch.float32) == "small_mm"
+        bf16 = RoutedExperts(n_exp, h, i, params_dtype=torch.bfloat16)  # bfloat16 takes the operator at 1 token too
+        assert bf16.path(1, 2, cpu, torch.bfloat16) == ("small_mm" if small_mm_serves(torch.bfloat16, cpu) else "pairs")
     big = "grouped_mm" if subset is None and load_cpu_ops() else "all"
     assert experts.path(14, 2, cpu) == big and experts.path(14, 2) == "all"  # no device: no operator
     assert RoutedExperts(64, h, i).path(3, 2) == "pairs" and RoutedExperts(64, h, i).path(40, 2) == "grouped"
