@@ -70,6 +70,54 @@ inline void dots(const float* __restrict q, const float* __restrict row, int64_t
   }
 }
 
+// acc[h] += sum_j w[h, j] * block[j, :R] for every head: the block's rows weighted into the
+// running sums. With AVX-512, 64 columns of four heads stay in registers across the block's rows
+// (a sum per head and row otherwise loads and stores the whole [R] sum: the 512-wide case was
+// bound by those loads and stores); elsewhere one head and row at a time.
+#if defined(__AVX512F__)
+template <int HN>
+inline void weigh_columns(const float* __restrict block, int64_t D, int64_t rows, const float* __restrict w,
+                          int64_t bs, float* __restrict acc, int64_t R, int64_t r0) {
+  __m512 a[HN][4];
+  for (int h = 0; h < HN; ++h)
+    for (int c = 0; c < 4; ++c) a[h][c] = _mm512_loadu_ps(acc + h * R + r0 + 16 * c);
+  for (int64_t j = 0; j < rows; ++j) {
+    const float* __restrict row = block + j * D + r0;
+    __m512 v[4];
+    for (int c = 0; c < 4; ++c) v[c] = _mm512_loadu_ps(row + 16 * c);
+    for (int h = 0; h < HN; ++h) {
+      const __m512 wh = _mm512_set1_ps(w[h * bs + j]);
+      for (int c = 0; c < 4; ++c) a[h][c] = _mm512_fmadd_ps(wh, v[c], a[h][c]);
+    }
+  }
+  for (int h = 0; h < HN; ++h)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + h * R + r0 + 16 * c, a[h][c]);
+}
+#endif
+
+inline void weigh_block(const float* __restrict block, int64_t D, int64_t rows, const float* __restrict w, int64_t bs,
+                        float* __restrict acc, int64_t nh, int64_t R) {
+#if defined(__AVX512F__)
+  if (R % 64 == 0) {
+    for (int64_t r0 = 0; r0 < R; r0 += 64) {
+      int64_t h = 0;
+      for (; h + 4 <= nh; h += 4) weigh_columns<4>(block, D, rows, w + h * bs, bs, acc + h * R, R, r0);
+      for (; h + 2 <= nh; h += 2) weigh_columns<2>(block, D, rows, w + h * bs, bs, acc + h * R, R, r0);
+      for (; h < nh; ++h) weigh_columns<1>(block, D, rows, w + h * bs, bs, acc + h * R, R, r0);
+    }
+    return;
+  }
+#endif
+  for (int64_t h = 0; h < nh; ++h)
+    for (int64_t j = 0; j < rows; ++j) {
+      const float* __restrict row = block + j * D;
+      const float wj = w[h * bs + j];
+      float* __restrict a = acc + h * R;
+#pragma omp simd
+      for (int64_t r = 0; r < R; ++r) a[r] += wj * row[r];
+    }
+}
+
 // Heads [h0, h1) of one sequence, one cache block at a time (flash-decoding's online softmax
 // with a block as the tile): the block's rows are scored for every head, then, while they are
 // still in L1, weighted into the running sums, rescaled when a head's maximum grows. Each
@@ -120,13 +168,8 @@ void attend(const scalar_t* __restrict q, const scalar_t* __restrict cache, cons
 #pragma omp simd reduction(+ : total)
       for (int64_t j = 0; j < rows; ++j) total += (sh[j] = std::exp(sh[j] - m));
       sum[h] += total;
-      for (int64_t j = 0; j < rows; ++j) {
-        const float* __restrict row = block + j * D;
-        const float w = sh[j];
-#pragma omp simd
-        for (int64_t r = 0; r < R; ++r) a[r] += w * row[r];
-      }
     }
+    weigh_block(block, D, rows, sc, bs, acc, nh, R);
   }
   for (int64_t h = 0; h < nh; ++h) {
     const float inv = 1.f / sum[h];

@@ -18,6 +18,11 @@ from matrixinfer.model.layers.quantization import UNQUANTIZED, QuantizationConfi
 from matrixinfer.parallel.state import get_tp_rank, get_tp_size
 
 PIECES = ("gate_proj", "up_proj", "down_proj")  # checkpoint names of an expert's projections
+# Up to how many pairs per local expert (on average) the MoE runs the few-rows operator
+# (kernels.small_mm), per dtype: float32 4 (ahead of the other paths at 8 tokens of the bundled
+# model, 1.42 vs 1.62 ms a step, behind ATen's grouped matmul at 32); bfloat16 16 (the grouped
+# matmul's per-expert bf16 GEMMs were 7.2 of a 21.8 ms step at 32 tokens of the 512 + 64 model).
+SMALL_MM_PAIRS_PER_EXPERT = {torch.float32: 4, torch.bfloat16: 16}
 
 
 class RoutedExperts(nn.Module):
@@ -66,7 +71,7 @@ class RoutedExperts(nn.Module):
     def path(self, num_tokens: int, top_k: int, device: torch.device | None = None,
              dtype: torch.dtype | None = None) -> str:
         """How a batch runs, chosen from shapes alone (so a compiled decode step has no graph
-        break): "small_mm" (the CPU operator, up to four pairs per expert on average) buckets
+        break): "small_mm" (the CPU operator, a few pairs per expert: SMALL_MM_PAIRS_PER_EXPERT) buckets
         the pairs by expert inside the operator and reads each active expert's weights once;
         float32 keeps "pairs" at one or two tokens, where the compiled step fuses the gather,
         multiply and sum into one kernel (0.66 vs 0.72 ms a step at batch 1; in bfloat16
@@ -81,8 +86,8 @@ class RoutedExperts(nn.Module):
         experts, top-4, bfloat16); level with all at 8 tokens, and slower in a whole compiled step."""
         n_local = len(self.expert_ids)
         pairs = not self.is_subset and 2 * num_tokens * top_k <= n_local
-        small = (not self.is_subset and num_tokens * top_k <= 4 * n_local and device is not None
-                 and self.quant_method.small_mm_serves(self, dtype, device))
+        small = (not self.is_subset and num_tokens * top_k <= SMALL_MM_PAIRS_PER_EXPERT.get(dtype, 0) * n_local
+                 and device is not None and self.quant_method.small_mm_serves(self, dtype, device))
         if small and not (pairs and dtype == torch.float32):
             return "small_mm"
         if pairs:
