@@ -19,10 +19,11 @@ from matrixinfer.parallel.state import get_tp_rank, get_tp_size
 
 PIECES = ("gate_proj", "up_proj", "down_proj")  # checkpoint names of an expert's projections
 # Up to how many pairs per local expert (on average) the MoE runs the few-rows operator
-# (kernels.small_mm), per dtype: float32 4 (ahead of the other paths at 8 tokens of the bundled
-# model, 1.42 vs 1.62 ms a step, behind ATen's grouped matmul at 32); bfloat16 16 (the grouped
-# matmul's per-expert bf16 GEMMs were 7.2 of a 21.8 ms step at 32 tokens of the 512 + 64 model).
-SMALL_MM_PAIRS_PER_EXPERT = {torch.float32: 4, torch.bfloat16: 16}
+# (kernels.small_mm) rather than ATen's grouped matmul (per-expert GEMMs), per dtype, measured
+# as whole compiled steps: float32 8 (bundled model: 1.42 vs 1.62 ms at 8 tokens, 2.66-2.80 vs
+# 3.19-3.53 ms at 32); bfloat16 16 (the grouped matmul's per-expert bf16 GEMMs were 7.2 of a
+# 21.8 ms step at 32 tokens of the 512 + 64 model).
+SMALL_MM_PAIRS_PER_EXPERT = {torch.float32: 8, torch.bfloat16: 16}
 
 
 class RoutedExperts(nn.Module):
