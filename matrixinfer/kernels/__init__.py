@@ -8,6 +8,9 @@ cpu_ops.cpp:
   (ATen's _grouped_mm, which torch.compile otherwise traces for bfloat16 only).
 - argmax_rows: greedy sampling's argmax over float32 logits rows, vectorised (the reference:
   torch.argmax, first index on ties).
+- small_mm: the few rows of a decode step times their experts' (or one linear's) weights,
+  the rows bucketed by expert inside, AVX-512 / AVX512-BF16 dot products (the reference:
+  F.linear per row); built for the dtypes this CPU has instructions for, probed at load.
 
 Built with torch.utils.cpp_extension on first use (a C++ compiler, as torch.compile itself
 needs; ninja from pip) and cached on disk, one build per CPU kernel level so a shared home

@@ -72,19 +72,21 @@ class RoutedExperts(nn.Module):
     def path(self, num_tokens: int, top_k: int, device: torch.device | None = None,
              dtype: torch.dtype | None = None) -> str:
         """How a batch runs, chosen from shapes alone (so a compiled decode step has no graph
-        break): "small_mm" (the CPU operator, a few pairs per expert: SMALL_MM_PAIRS_PER_EXPERT) buckets
-        the pairs by expert inside the operator and reads each active expert's weights once;
-        float32 keeps "pairs" at one or two tokens, where the compiled step fuses the gather,
-        multiply and sum into one kernel (0.66 vs 0.72 ms a step at batch 1; in bfloat16
-        small_mm wins there too, 1.49 vs 1.56 ms on the 512 + 64 model). "pairs" gathers each
-        pair's expert weights when that reads fewer weights than
-        running every local expert; "grouped_mm" groups the pairs by expert on the device and
-        runs one grouped matmul (no host sync; on the CPU, with the weights unquantized) once
-        there are four pairs per expert; "all" runs every local expert on every token when that
-        costs at most 4x the routed work; "grouped" groups pairs by expert (one host sync on
-        the counts, the path of large batches). Measured on the CPU, per MoE layer at 32
-        tokens: grouped_mm 0.25 vs all 0.37 ms (8 experts, top-2, float32), 1.8 vs 3.0 ms (16
-        experts, top-4, bfloat16); level with all at 8 tokens, and slower in a whole compiled step."""
+        break), in the order tried:
+        - "small_mm" (the CPU operator) at a few pairs per expert (SMALL_MM_PAIRS_PER_EXPERT):
+          it buckets the pairs by expert itself and reads each active expert's weights once.
+          float32 keeps "pairs" at one or two tokens, where the compiled step fuses the gather,
+          multiply and sum into one kernel (0.66 vs 0.72 ms a step at batch 1); in bfloat16
+          small_mm wins there too (1.49 vs 1.56 ms on the 512 + 64 model).
+        - "pairs" gathers each pair's expert weights when that reads fewer weights than running
+          every local expert.
+        - "grouped_mm" groups the pairs by expert on the device and runs one grouped matmul
+          (no host sync; on the CPU, with the weights unquantized) from four pairs per expert.
+          Measured per MoE layer at 32 tokens: 0.25 vs 0.37 ms for "all" (8 experts, top-2,
+          float32), 1.8 vs 3.0 ms (16 experts, top-4, bfloat16).
+        - "all" runs every local expert on every token when that costs at most 4x the routed
+          work; "grouped" groups pairs by expert (one host sync on the counts, the path of
+          large batches)."""
         n_local = len(self.expert_ids)
         pairs = not self.is_subset and 2 * num_tokens * top_k <= n_local
         small = (not self.is_subset and num_tokens * top_k <= SMALL_MM_PAIRS_PER_EXPERT.get(dtype, 0) * n_local
@@ -109,7 +111,7 @@ class RoutedExperts(nn.Module):
             return self._grouped(x, weights, ids, sync_free=True)
         if path == "small_mm":  # the operator buckets the pairs by expert itself
             y = self.quant_method.apply_small_mm(self, x.repeat_interleave(k, dim=0), self.local_index[ids.flatten()])
-            return (y.view(n, k, -1) * weights[..., None].to(x.dtype)).sum(1)
+            return _weighted_sum(y, weights)
         if path == "pairs":
             y = self.quant_method.apply_pairs(self, x, self.local_index[ids])
             if y is not None:
@@ -148,4 +150,10 @@ class RoutedExperts(nn.Module):
         # the 90 us this combine took at 32 tokens in a compiled step); a gather vectorises.
         unsort = torch.empty_like(order)
         unsort[order] = torch.arange(order.numel(), device=x.device)
-        return (y[unsort].view(-1, k, y.shape[-1]) * weights[..., None].to(x.dtype)).sum(1)
+        return _weighted_sum(y[unsort], weights)
+
+
+def _weighted_sum(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """y [N * top_k, H], rows in pair order (token-major), weights [N, top_k] -> [N, H]: each
+    token's rows weighted and summed, as one elementwise-and-reduce the compiler fuses."""
+    return (y.view(*weights.shape, y.shape[-1]) * weights[..., None].to(y.dtype)).sum(1)
