@@ -39,13 +39,14 @@ DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "matrixinfer-ti
 
 def cpu_info() -> dict:
     """CPU model, torch's CPU kernel path, and the matrix-extension flags the kernels can use."""
-    name, flags = platform.processor() or "unknown CPU", set()
+    from matrixinfer.kernels import cpu_flags
+
+    name, flags = platform.processor() or "unknown CPU", cpu_flags()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and name in ("", "unknown CPU", platform.processor()):
+            if line.startswith("model name"):
                 name = line.split(":", 1)[1].strip()
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
+                break
     except OSError:
         pass
     return {"cpu": name, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),

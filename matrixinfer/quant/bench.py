@@ -233,14 +233,9 @@ def _plot_ablation(tiny, outl, outl_flat):
 
 
 def cpu_path() -> dict:
-    flags = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
+    from matrixinfer.kernels import cpu_flags
+
+    flags = cpu_flags()
     return {"torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "amx_int8": "amx_int8" in flags, "amx_bf16": "amx_bf16" in flags,
             "avx512_vnni": "avx512_vnni" in flags, "avx512_bf16": "avx512_bf16" in flags,

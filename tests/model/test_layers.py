@@ -201,3 +201,45 @@ def test_the_expert_paths_agree(subset):
     assert experts.path(14, 2, cpu) == big and experts.path(14, 2) == "all"  # no device: no operator
     assert RoutedExperts(64, h, i).path(3, 2) == "pairs" and RoutedExperts(64, h, i).path(40, 2) == "grouped"
     assert RoutedExperts(n_exp, h, 6).path(14, 2, cpu) == "all"  # 24-byte rows: not for the operator
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_many_bfloat16_rows_multiply_in_float32_where_no_amx(monkeypatch, amx):
+    """A bfloat16 linear or grouped expert GEMM of many rows runs in float32 (the result
+    rounded once) on a CPU without AMX-BF16, and in bfloat16 where AMX is there; both agree
+    within bfloat16 rounding, and a few rows stay bfloat16 either way."""
+    import matrixinfer.kernels as kernels
+
+    monkeypatch.setattr(kernels, "_AMX_BF16", amx)
+    rows = kernels.FLOAT32_GEMM_ROWS
+    x = torch.randn(rows, 64, generator=G).bfloat16()
+    w = torch.randn(96, 64, generator=G).bfloat16()
+    layer = ColumnParallelLinear(64, 96, params_dtype=torch.bfloat16)
+    load(layer, w)
+    widened, native = F.linear(x.float(), w.float()).bfloat16(), F.linear(x, w)
+    with torch.no_grad():
+        out = layer(x)
+        assert torch.equal(out, native if amx else widened)
+        assert torch.allclose(widened.float(), native.float(), rtol=1e-2, atol=1e-2)
+        assert torch.equal(layer(x[:rows - 1]), F.linear(x[:rows - 1], w))
+        assert out.dtype == torch.bfloat16
+    if not load_cpu_ops():
+        return
+    n_exp, h, i = 4, 64, 32
+    experts = RoutedExperts(n_exp, h, i, params_dtype=torch.bfloat16)
+    with torch.no_grad():
+        experts.w13_weight.normal_(generator=G)
+        experts.w2_weight.normal_(generator=G)
+        xs = torch.randn(n_exp * rows, h, generator=G).bfloat16()
+        offs = torch.arange(1, n_exp + 1, dtype=torch.int32) * rows
+        out = experts.quant_method.apply_grouped_mm(experts, xs, offs)
+        ref = []
+        for e, rows_e in enumerate(xs.float().split(rows)):  # float32 per expert
+            gate, up = F.linear(rows_e, experts.w13_weight[e].float()).chunk(2, -1)
+            ref.append(F.linear(F.silu(gate) * up, experts.w2_weight[e].float()))
+        ref = torch.cat(ref)
+        assert out.dtype == torch.bfloat16
+        if amx:  # bfloat16 throughout: the intermediate activations are rounded too
+            assert (out.float() - ref).norm() / ref.norm() < 1e-2
+        else:  # float32 throughout, rounded once at the end
+            assert torch.allclose(out.float(), ref, rtol=8e-3, atol=1e-3)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from matrixinfer.kernels import grouped_mm, small_mm, small_mm_serves
+from matrixinfer.kernels import float32_gemm, grouped_mm, small_mm, small_mm_serves
 
 WeightLoader = Callable[..., None]
 
@@ -61,6 +61,8 @@ class UnquantizedLinearMethod(LinearMethodBase):
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if 0 < rows <= SMALL_MM_ROWS.get(x.dtype, 0) and small_mm_serves(x.dtype, x.device):
             return small_mm(x.reshape(rows, x.shape[-1]), layer.weight[None]).view(*x.shape[:-1], -1)
+        if float32_gemm(x.dtype, x.device, rows):
+            return F.linear(x.float(), layer.weight.float()).to(x.dtype)
         return F.linear(x, layer.weight)
 
 
@@ -117,8 +119,10 @@ class UnquantizedExpertsMethod(ExpertsMethodBase):
         return all(d * size % 16 == 0 for d in (*layer.w13_weight.shape[1:], layer.w2_weight.shape[2]))
 
     def apply_grouped_mm(self, layer, xs, offs):
-        gate, up = grouped_mm(xs, layer.w13_weight.transpose(1, 2), offs).chunk(2, dim=-1)
-        return grouped_mm(F.silu(gate) * up, layer.w2_weight.transpose(1, 2), offs)
+        w13, w2 = layer.w13_weight, layer.w2_weight
+        if float32_gemm(xs.dtype, xs.device, xs.shape[0] // w13.shape[0]):  # rows per expert, on average
+            return _grouped_swiglu(xs.float(), w13.float(), w2.float(), offs).to(xs.dtype)
+        return _grouped_swiglu(xs, w13, w2, offs)
 
     def small_mm_serves(self, layer, dtype, device):
         return small_mm_serves(dtype, device) and layer.w13_weight.dtype == dtype
@@ -168,6 +172,11 @@ class UnquantizedExpertsMethod(ExpertsMethodBase):
         gate, up = torch.bmm(padded, w13.transpose(1, 2)).chunk(2, dim=-1)
         out = torch.bmm(F.silu(gate) * up, w2.transpose(1, 2))
         return out[local, pos]
+
+
+def _grouped_swiglu(xs: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    gate, up = grouped_mm(xs, w13.transpose(1, 2), offs).chunk(2, dim=-1)
+    return grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs)
 
 
 class QuantizationConfig:
