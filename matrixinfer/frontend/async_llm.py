@@ -135,6 +135,10 @@ class AsyncLLM:
         try:
             while True:
                 item = await q.get()
+                # outputs are cumulative: a consumer that fell behind takes only the newest
+                # (vLLM's output collector merges them likewise), one stream event for several steps
+                while not q.empty() and not isinstance(item, BaseException) and not item.finished:
+                    item = q.get_nowait()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item

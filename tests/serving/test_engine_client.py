@@ -145,3 +145,26 @@ def test_speculative_decoding_counters_in_metrics(echo_server):
                  'matrixinfer:spec_decode_mean_acceptance_length{model_name="echo"} 2.3']:
         assert line in text
     assert "spec_decode" not in httpx.get(echo_server(EchoEngine()).url + "/metrics").text
+
+
+def test_a_consumer_that_falls_behind_gets_the_newest_cumulative_output(engine):
+    """Outputs are cumulative, so a stream consumer slower than the engine skips to the newest
+    one (fewer events, each with everything so far) and ends with what a prompt one gets."""
+    from matrixinfer.engine.sampling_params import SamplingParams
+    from matrixinfer.serving.async_engine import GenerateRequest
+
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+    async def run(rid: str, lag_s: float) -> list:
+        outs = []
+        async for out in engine.generate(GenerateRequest(rid, [5, 6, 7, 8], params)):
+            outs.append(out)
+            await asyncio.sleep(lag_s)  # a slow client: the engine steps on meanwhile
+        return outs
+
+    prompt = asyncio.run(run("prompt-consumer", 0.0))
+    slow = asyncio.run(run("slow-consumer", 0.05))
+    assert len(slow) < len(prompt) <= 24
+    assert [len(o.outputs[0].token_ids) for o in slow] == sorted({len(o.outputs[0].token_ids) for o in slow})
+    assert slow[-1].finished and slow[-1].outputs[0].token_ids == prompt[-1].outputs[0].token_ids
+    assert slow[-1].outputs[0].text == prompt[-1].outputs[0].text
