@@ -95,6 +95,34 @@ def vllm_overrides(model_dir: str) -> tuple[dict, dict]:
     return overrides, {} if width == 576 else {"VLLM_MLA_DISABLE": "1"}
 
 
+def vllm_environment(peers: Peers, model_dir: str, threads: int) -> tuple[dict, dict]:
+    """(hf_overrides, environment) of a vLLM process in its best CPU setting on a small
+    machine: every core computes (its default reserves one), and the allocator and OpenMP
+    runtime its CPU guide preloads (tcmalloc, the venv's Intel OpenMP) where they are present."""
+    overrides, extra = vllm_overrides(model_dir)
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
+               VLLM_CPU_KVCACHE_SPACE="2", **extra)
+    venv = Path(peers.vllm_python).parent.parent
+    preload = [str(p) for p in (*sorted(Path("/usr/lib").glob("*/libtcmalloc_minimal.so.4")), venv / "lib" / "libiomp5.so")
+               if p.exists()]
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload + [env["LD_PRELOAD"]] if env.get("LD_PRELOAD") else preload)
+    return overrides, env
+
+
+def vllm_server_command(peers: Peers, model_dir: str, dtype: str, threads: int, port: int, served_name: str,
+                        max_num_seqs: int) -> tuple[list[str], dict]:
+    """(argv, environment) of vLLM's OpenAI server on the checkpoint, under the name our server
+    gives it, so one load generator drives both with the same requests."""
+    overrides, env = vllm_environment(peers, model_dir, threads)
+    cmd = [peers.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(Path(model_dir).resolve()),
+           "--served-model-name", served_name, "--dtype", dtype, "--port", str(port), "--host", "127.0.0.1",
+           "--max-num-seqs", str(max_num_seqs), "--disable-log-stats"]
+    if overrides:
+        cmd += ["--hf-overrides", json.dumps(overrides)]
+    return cmd, env
+
+
 def run_peer(engine: str, peers: Peers, model_dir: str, dtype: str, threads: int, prompts: list[list[int]],
              warm_prompts: list[list[int]], output_len: int, vocab: int, ours: list[list[int]],
              cache_dir: Path) -> PeerResult:
@@ -105,10 +133,8 @@ def run_peer(engine: str, peers: Peers, model_dir: str, dtype: str, threads: int
         job["gguf"] = gguf_for(peers, model_dir, dtype, cache_dir)
         cmd = [peers.llama_python, str(RUNNERS / "run_llama_cpp.py")]
     elif engine == "vLLM":
-        overrides, extra_env = vllm_overrides(model_dir)
+        overrides, env = vllm_environment(peers, model_dir, threads)
         job.update(model=str(Path(model_dir).resolve()), dtype=dtype, hf_overrides=overrides)
-        # its best CPU setting on a small machine: every core computes (the default reserves one)
-        env.update(extra_env, VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", VLLM_CPU_KVCACHE_SPACE="2")
         cmd = [peers.vllm_python, str(RUNNERS / "run_vllm.py")]
     else:
         raise ValueError(f"unknown peer {engine!r}")

@@ -22,13 +22,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import httpx
 import numpy as np
 from tqdm import tqdm
 
+from matrixinfer.bench.peers import Peers, vllm_server_command
 from matrixinfer.bench.report import bench_dir, markdown_table, save_json, write_section
 from matrixinfer.config import DEFAULT_MODEL
 
@@ -93,7 +94,8 @@ async def stream_request(client: httpx.AsyncClient, w: Workload, path: str, body
                 if chunk.get("usage"):
                     u = chunk["usage"]
                     r.prompt_tokens, r.output_tokens = u["prompt_tokens"], u["completion_tokens"]
-                    r.cached_tokens = u["prompt_tokens_details"]["cached_tokens"]
+                    # vLLM's server leaves the details out (null) unless asked to report them
+                    r.cached_tokens = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
                 for c in chunk.get("choices", []):
                     piece = c.get("text") if "text" in c else (c.get("delta") or {}).get("content")
                     if piece:
@@ -222,9 +224,15 @@ def start_server(model: str, extra: list[str], keys_db: str | Path | None = None
            "--keys-db", str(keys_db or Path(tmp.name) / "serving.db"), *extra]
     tree = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [tree, os.environ.get("PYTHONPATH")]))}
+    return launch_server(cmd, env, port, tmp)
+
+
+def launch_server(cmd: list[str], env: dict, port: int, tmp: tempfile.TemporaryDirectory
+                  ) -> tuple[subprocess.Popen, str, tempfile.TemporaryDirectory]:
+    """Start a server process (its own session; its log in tmp) and wait for /health on port."""
     log = Path(tmp.name) / "serve.log"  # a file, not a pipe nobody reads while the server runs
     with open(log, "w") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=err, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     try:
@@ -275,25 +283,34 @@ def _workload(args, url: str) -> Workload:
     return Workload(url, models["id"], args.input_len, args.output_len, headers, pool, len(pool) / n_words)
 
 
-def _plot(rows: list[dict], path: Path, title: str) -> None:
+def _rate_label(rate: float) -> str:
+    return "all at once" if rate == float("inf") else f"{rate:g}"
+
+
+def _plot(series: list[tuple[str, list[dict]]], path: Path, title: str) -> None:
+    """Output tokens/s, TTFT and TPOT (p50 solid, p99 dashed) against the offered rate, one
+    colour per server; the rates are categories, so "all at once" has a place."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import matplotlib.ticker
 
-    rates = [r["offered_rate"] for r in rows]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, metric, label in ((axes[0], "ttft", "TTFT (s)"), (axes[1], "tpot", "TPOT (s)")):
-        for q, style in ((50, "o-"), (99, "s--")):
-            ax.plot(rates, [r[f"{metric}_p{q}_s"] or float("nan") for r in rows], style, label=f"p{q}")
-        if max(rates) >= 4 * min(rates):
-            ax.set_xscale("log", base=2)
-            ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-        ax.set_xlabel("offered load (conversations/s)" if "multi-turn" in title else "offered load (requests/s)")
+    rates = [r["offered_rate"] for r in series[0][1]]
+    xs = range(len(rates))
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for (name, rows), color in zip(series, ("tab:blue", "tab:orange", "tab:green")):
+        axes[0].plot(xs, [r["output_tok_s"] for r in rows], "o-", color=color, label=name)
+        for ax, metric in ((axes[1], "ttft"), (axes[2], "tpot")):
+            for q, style in ((50, "o-"), (99, "s--")):
+                ax.plot(xs, [1e3 * (r[f"{metric}_p{q}_s"] or float("nan")) for r in rows], style, color=color,
+                        label=f"{name} p{q}")
+    unit = "conversations/s" if "multi-turn" in title else "requests/s"
+    for ax, label in zip(axes, ("output tokens/s", "TTFT (ms)", "TPOT (ms)")):
+        ax.set_xticks(list(xs), [_rate_label(r) for r in rates])
+        ax.set_xlabel(f"offered load ({unit})")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -301,6 +318,9 @@ def _plot(rows: list[dict], path: Path, title: str) -> None:
 
 
 def main(args) -> int:
+    vllm_python = args.vllm_python or (args.peers and Peers.from_dir(args.peers).vllm_python)
+    if vllm_python and (args.url is not None or args.multi_turn):
+        raise SystemExit("--vllm-python / --peers: single-turn, beside a server the benchmark starts (not --url)")
     proc = tmp = None
     url = args.url
     if url is None:
@@ -310,30 +330,18 @@ def main(args) -> int:
         print(f"starting `matrixinfer serve --model {args.model} {' '.join(extra)}` ...", file=sys.stderr)
         proc, url, tmp = start_server(args.model, extra)
     url = url.rstrip("/")
+    mode = f"multi-turn ({args.turns} turns)" if args.multi_turn else "single-turn"
     try:
         w = _workload(args, url)
-        rng = random.Random(args.seed)
-        asyncio.run(_warm_up(w))
-        rows = []
-        mode = f"multi-turn ({args.turns} turns)" if args.multi_turn else "single-turn"
-        for rate in args.rates:
-            n = args.conversations if args.multi_turn else args.num_requests
-            total = n * (args.turns if args.multi_turn else 1)
-            with tqdm(total=total, desc=f"rate {rate}/s", file=sys.stderr) as bar:
-                t0 = time.perf_counter()
-                if args.multi_turn:
-                    results = asyncio.run(run_multi_turn(w, rate, n, args.turns, rng, bar))
-                else:
-                    results = asyncio.run(run_single_turn(w, rate, n, rng, bar))
-                duration = time.perf_counter() - t0
-            rows.append(summarize(results, rate, duration))
-            print(json.dumps(rows[-1]), file=sys.stderr)
+        rows = run_rates(w, args)
     finally:
         if proc is not None:
             stop_server(proc, tmp)
     report = {"model": w.model, "url": args.url or "started by the benchmark", "mode": mode,
               "input_len": args.input_len, "output_len": args.output_len, "seed": args.seed,
               "cpu_count": os.cpu_count(), "results": rows}
+    if vllm_python:
+        report["peers"] = [run_vllm_server(Peers(vllm_python=vllm_python), args, w)]
     if args.offline_reference and not args.multi_turn:
         report["offline"] = offline_reference(args)
         print(json.dumps(report["offline"]), file=sys.stderr)
@@ -343,9 +351,52 @@ def main(args) -> int:
         name = args.name + ("-multiturn" if args.multi_turn else "")
         save_json(name, report)
         plot = bench_dir() / f"{name}.png"
-        _plot(rows, plot, f"{w.model}: {mode}, {args.input_len} in / {args.output_len} out tokens")
+        series = [("matrixinfer", rows)] + [(peer["engine"], peer["results"]) for peer in report.get("peers", [])]
+        _plot(series, plot, f"{w.model}: {mode}, {args.input_len} in / {args.output_len} out tokens")
         _write_section(args.name, name, report, plot)
     return 0 if all(r["failed"] == 0 for r in rows) else 1
+
+
+def run_rates(w: Workload, args) -> list[dict]:
+    """A warm-up request, then every offered rate in turn; the arrivals and prompts come from
+    --seed, so two servers driven by this get the same requests at the same times."""
+    rng = random.Random(args.seed)
+    asyncio.run(_warm_up(w))
+    rows = []
+    for rate in args.rates:
+        n = args.conversations if args.multi_turn else args.num_requests
+        total = n * (args.turns if args.multi_turn else 1)
+        with tqdm(total=total, desc=f"rate {rate}/s", file=sys.stderr) as bar:
+            t0 = time.perf_counter()
+            if args.multi_turn:
+                results = asyncio.run(run_multi_turn(w, rate, n, args.turns, rng, bar))
+            else:
+                results = asyncio.run(run_single_turn(w, rate, n, rng, bar))
+            duration = time.perf_counter() - t0
+        rows.append(summarize(results, rate, duration))
+        print(json.dumps(rows[-1]), file=sys.stderr)
+    return rows
+
+
+def run_vllm_server(peers: Peers, args, ours: Workload) -> dict:
+    """vLLM's OpenAI server on the same checkpoint, dtype, threads and sequence limit, driven
+    with the same requests (our token pool, our model name) after ours has stopped."""
+    import torch
+
+    from matrixinfer.config import ModelConfig
+
+    dtype = args.dtype if args.dtype not in (None, "auto") else ModelConfig.from_pretrained(args.model).torch_dtype
+    port, tmp = _free_port(), tempfile.TemporaryDirectory(prefix="mi-bench-vllm-")
+    cmd, env = vllm_server_command(peers, args.model, dtype, torch.get_num_threads(), port, ours.model,
+                                   args.max_num_seqs)
+    print(f"starting vLLM's server: {' '.join(cmd)} ...", file=sys.stderr)
+    proc, url, tmp = launch_server(cmd, env, port, tmp)
+    try:
+        version = httpx.get(url + "/version", timeout=30).json().get("version", "?")
+        rows = run_rates(replace(ours, url=url), args)
+    finally:
+        stop_server(proc, tmp)
+    return {"engine": f"vLLM {version}", "dtype": dtype, "results": rows}
 
 
 def offline_reference(args) -> dict:
@@ -374,6 +425,21 @@ def _table(report: dict) -> str:
     return markdown_table(headers, [[("-" if v is None else v) for v in row] for row in rows])
 
 
+def _peer_table(rep: dict, peer: dict) -> str:
+    def ratio(a, b):
+        return "-" if not a or not b else f"{a / b:.2f}x"
+
+    rows = []
+    for ours, theirs in zip(rep["results"], peer["results"]):
+        row = [_rate_label(ours["offered_rate"])]
+        for key, scale in (("output_tok_s", 1), ("ttft_p50_s", 1e3), ("tpot_p50_s", 1e3)):
+            a, b = ours[key], theirs[key]
+            row += ["-" if a is None else round(scale * a, 1), "-" if b is None else round(scale * b, 1), ratio(a, b)]
+        rows.append(row)
+    return markdown_table(["offered req/s", "out tok/s: ours", "vLLM", "ratio", "TTFT p50 ms: ours", "vLLM", "ratio",
+                           "TPOT p50 ms: ours", "vLLM", "ratio"], rows)
+
+
 def _write_section(section: str, name: str, report: dict, plot: Path) -> None:
     """The section holds one table per mode; each run rewrites its own mode's table."""
     parts = {}
@@ -398,6 +464,10 @@ def _write_section(section: str, name: str, report: dict, plot: Path) -> None:
             md += ["", f"The same engine offline (`--offline-reference`: `LLM` on {off['batch']} requests of the same "
                        f"lengths, all at once): decode step {off['decode_step_ms']:.2f} ms, "
                        f"{off['output_tok_s']:.0f} output tok/s.{vs}"]
+        for peer in rep.get("peers", []):
+            md += ["", f"Against {peer['engine']}'s OpenAI server ({peer['dtype']}), driven after ours by the same "
+                       "load generator with the same requests at the same times; ratios are ours over theirs "
+                       "(throughput: higher is better; latencies: lower is better):", "", _peer_table(rep, peer)]
         extra = [r for r in rep["results"] if "prompt_tokens_later_turns_mean" in r]
         if extra:
             md += ["", "First turn against later turns (which resend the history, served from the prefix cache):",
@@ -429,6 +499,10 @@ def add_arguments(p) -> None:
     p.add_argument("--offline-reference", action="store_true",
                    help="also run the same engine offline on --num-requests requests at once; with --rates inf "
                         "the report compares the served TPOT with the offline decode step at the same batch")
+    p.add_argument("--vllm-python", default=None,
+                   help="an interpreter with vLLM (CPU build): its OpenAI server is driven with the same requests "
+                        "after ours, and the report compares the two")
+    p.add_argument("--peers", default=None, help="a peers folder as in shared/peers (its venv_vllm is used)")
     p.add_argument("--name", default="serve", help="benchmarks/<name>.json and the BENCHMARKS.md section")
     p.add_argument("--no-write", action="store_true")
     p.add_argument("--json", action="store_true", help="print the report as one JSON line")
