@@ -7,6 +7,7 @@ error, and how a peers folder is discovered. The real llama.cpp / vLLM runs are 
 import json
 import stat
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -127,3 +128,43 @@ def test_gguf_cache_is_keyed_by_the_checkpoint_not_its_folder_name(tmp_path, mon
     first, again = peers_mod.gguf_for(p, str(a), "float32", cache), peers_mod.gguf_for(p, str(a), "float32", cache)
     other = peers_mod.gguf_for(p, str(b), "float32", cache)
     assert first == again and other != first and len(calls) == 2
+
+
+def test_vllm_server_command_serves_our_model_name_with_its_cpu_setting(tmp_path, monkeypatch):
+    """`bench serve --vllm-python`: vLLM's OpenAI server on the checkpoint under the name our
+    server reports, every core bound, the routing overrides passed; nothing preloaded that is
+    not there."""
+    from matrixinfer.bench.peers import vllm_server_command
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "kv_lora_rank": 512,
+                                                      "qk_rope_head_dim": 64}))
+    venv = tmp_path / "venv_vllm"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "lib").mkdir()
+    (venv / "lib" / "libiomp5.so").write_bytes(b"")
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    cmd, env = vllm_server_command(Peers(vllm_python=str(venv / "bin" / "python")), str(tmp_path), "bfloat16", 2,
+                                   8123, "m576", 64)
+    assert cmd[:3] == [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server"]
+    args = {flag: cmd[i + 1] for i, flag in enumerate(cmd[:-1]) if flag.startswith("--")}
+    assert args["--served-model-name"] == "m576" and args["--dtype"] == "bfloat16" and args["--port"] == "8123"
+    assert args["--max-num-seqs"] == "64" and args["--model"] == str(tmp_path.resolve())
+    assert json.loads(args["--hf-overrides"]) == {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and env["OMP_NUM_THREADS"] == "2"
+    assert "VLLM_MLA_DISABLE" not in env  # 512 + 64: its MLA path serves
+    preload = env["LD_PRELOAD"].split(":")
+    assert str(venv / "lib" / "libiomp5.so") in preload and all(Path(p).exists() for p in preload)
+
+
+def test_serve_report_compares_each_rate_with_the_peer():
+    """The served comparison's table: ours, theirs and ours/theirs per rate and metric."""
+    from matrixinfer.bench.serve_bench import _peer_table
+
+    def row(rate, tok_s, ttft, tpot):
+        return {"offered_rate": rate, "output_tok_s": tok_s, "ttft_p50_s": ttft, "tpot_p50_s": tpot}
+
+    rep = {"results": [row(2.0, 200.0, 0.05, 0.010), row(float("inf"), 900.0, 1.0, None)]}
+    peer = {"engine": "vLLM 0", "results": [row(2.0, 250.0, 0.04, 0.020), row(float("inf"), 600.0, 0.5, 0.02)]}
+    lines = _peer_table(rep, peer).splitlines()
+    assert lines[2].split(" | ")[1:] == ["200", "250", "0.80x", "50", "40", "1.25x", "10", "20", "0.50x |"]
+    assert lines[3].startswith("| all at once | 900 | 600 | 1.50x | 1000 | 500 | 2.00x | - | 20 | - |")
