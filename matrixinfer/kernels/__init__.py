@@ -39,13 +39,13 @@ _loaded: bool | None = None  # None until load_cpu_ops ran: then whether the ope
 _small_mm_dtypes: set[torch.dtype] = set()  # what small_mm was built for on this CPU (AVX-512, AVX512-BF16)
 
 
-# From how many rows per matrix a bfloat16 GEMM runs in float32 on a CPU without AMX. Measured
-# (2 threads, AVX512-BF16, no AMX), the time of bfloat16 over float32 with the weight widened
-# per call: 1.25-1.5x at 128 rows, 1.5-1.7x at 512, mixed at 64, a loss below; the grouped
-# expert GEMM: level at 32 rows per expert, 1.48x at 128, 1.47x at 512.
-FLOAT32_GEMM_ROWS = 128
-
-
+# From how many rows per matrix a bfloat16 GEMM runs in float32 on a CPU without AMX (2 threads,
+# AVX512-BF16). oneDNN builds a bfloat16 primitive for every new shape, and eager steps meet a
+# new row count nearly every call (prefill chunks, mixed steps): with row counts varying call to
+# call, bfloat16 took 1.2-1.8x the widened float32 time at 9-15 rows and 1.5-3.5x from 32, and
+# the grouped expert GEMM 1.08x at 32 rows per expert, 1.6x at 128. A compiled step's shapes are
+# fixed buckets, where bfloat16 holds up better: 0.5-1.1x at 16-64 rows, 1.25-1.5x at 128.
+FLOAT32_GEMM_ROWS = {"eager": 9, "compiled": 128}
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
     try:
@@ -62,11 +62,12 @@ _AMX_BF16 = "amx_bf16" in cpu_flags()  # read once at import: a constant to torc
 
 def float32_gemm(dtype: torch.dtype, device: torch.device, rows: int) -> bool:
     """Run a bfloat16 product of `rows` rows per matrix in float32 (inputs widened, the result
-    rounded back once): on a CPU without AMX-BF16, from FLOAT32_GEMM_ROWS rows. Every product
-    of two bfloat16 numbers is exact in float32 and both GEMMs accumulate in float32, so only
-    the order of the additions differs."""
-    return (dtype == torch.bfloat16 and device.type == "cpu" and rows >= FLOAT32_GEMM_ROWS
-            and not _AMX_BF16)
+    rounded back once): on a CPU without AMX-BF16, from FLOAT32_GEMM_ROWS rows (eager calls,
+    or a graph being compiled). Every product of two bfloat16 numbers is exact in float32 and
+    both GEMMs accumulate in float32, so only the order of the additions differs."""
+    if dtype != torch.bfloat16 or device.type != "cpu" or _AMX_BF16:
+        return False
+    return rows >= FLOAT32_GEMM_ROWS["compiled" if torch.compiler.is_compiling() else "eager"]
 
 
 def load_cpu_ops() -> bool:

@@ -64,10 +64,11 @@ class Worker:
         compiled = self.runner.compiled_decode
         from matrixinfer.kernels import FLOAT32_GEMM_ROWS, float32_gemm
 
-        widen = float32_gemm(torch.bfloat16, torch.device("cpu"), FLOAT32_GEMM_ROWS)
-        log.info("rank %d: %d intra-op threads, CPU kernels %s, bfloat16 GEMMs of %d+ rows %s, decode step %s", rank,
-                 torch.get_num_threads(), torch.backends.cpu.get_cpu_capability(), FLOAT32_GEMM_ROWS,
-                 "in float32 (no AMX-BF16)" if widen else "in bfloat16",
+        widen = float32_gemm(torch.bfloat16, torch.device("cpu"), FLOAT32_GEMM_ROWS["eager"])
+        log.info("rank %d: %d intra-op threads, CPU kernels %s, bfloat16 GEMMs %s, decode step %s", rank,
+                 torch.get_num_threads(), torch.backends.cpu.get_cpu_capability(),
+                 "in float32 from {eager} rows eager, {compiled} compiled (no AMX-BF16)".format(**FLOAT32_GEMM_ROWS)
+                 if widen else "in bfloat16",
                  "eager" if compiled is None else f"compiled in {compiled.compile_s:.1f} s")
         from matrixinfer.parallel import get_head_group
 

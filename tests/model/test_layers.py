@@ -207,22 +207,25 @@ def test_the_expert_paths_agree(subset):
 def test_many_bfloat16_rows_multiply_in_float32_where_no_amx(monkeypatch, amx):
     """A bfloat16 linear or grouped expert GEMM of many rows runs in float32 (the result
     rounded once) on a CPU without AMX-BF16, and in bfloat16 where AMX is there; both agree
-    within bfloat16 rounding, and a few rows stay bfloat16 either way."""
+    within bfloat16 rounding. A graph being compiled (fixed shapes) widens from more rows."""
     import matrixinfer.kernels as kernels
 
     monkeypatch.setattr(kernels, "_AMX_BF16", amx)
-    rows = kernels.FLOAT32_GEMM_ROWS
-    x = torch.randn(rows, 64, generator=G).bfloat16()
-    w = torch.randn(96, 64, generator=G).bfloat16()
+    eager, compiled = kernels.FLOAT32_GEMM_ROWS["eager"], kernels.FLOAT32_GEMM_ROWS["compiled"]
     layer = ColumnParallelLinear(64, 96, params_dtype=torch.bfloat16)
+    w = torch.randn(96, 64, generator=G).bfloat16()
     load(layer, w)
-    widened, native = F.linear(x.float(), w.float()).bfloat16(), F.linear(x, w)
+    x = torch.randn(compiled, 64, generator=G).bfloat16()
     with torch.no_grad():
-        out = layer(x)
-        assert torch.equal(out, native if amx else widened)
-        assert torch.allclose(widened.float(), native.float(), rtol=1e-2, atol=1e-2)
-        assert torch.equal(layer(x[:rows - 1]), F.linear(x[:rows - 1], w))
-        assert out.dtype == torch.bfloat16
+        for rows, compiling in ((eager, False), (compiled, False), (compiled, True), (compiled - 1, True)):
+            monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
+            widened, native = F.linear(x[:rows].float(), w.float()).bfloat16(), F.linear(x[:rows], w)
+            out = layer(x[:rows])
+            assert out.dtype == torch.bfloat16
+            assert torch.equal(out, native if amx or rows < (compiled if compiling else eager) else widened)
+            assert torch.allclose(widened.float(), native.float(), rtol=1e-2, atol=1e-2)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    rows = compiled
     if not load_cpu_ops():
         return
     n_exp, h, i = 4, 64, 32
