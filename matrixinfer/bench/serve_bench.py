@@ -333,7 +333,7 @@ def main(args) -> int:
     mode = f"multi-turn ({args.turns} turns)" if args.multi_turn else "single-turn"
     try:
         w = _workload(args, url)
-        rows = run_rates(w, args)
+        rows = run_rates(w, args, proc.pid if proc is not None else None)  # its own session: sid = pid
     finally:
         if proc is not None:
             stop_server(proc, tmp)
@@ -357,23 +357,45 @@ def main(args) -> int:
     return 0 if all(r["failed"] == 0 for r in rows) else 1
 
 
-def run_rates(w: Workload, args) -> list[dict]:
+def session_cpu_seconds(session: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of each live process of a session, summed by
+    process name (/proc; empty where there is none)."""
+    tick, out = os.sysconf("SC_CLK_TCK"), {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # gone meanwhile
+            continue
+        name, fields = text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
+        if int(fields[3]) == session:  # fields from the state on: state ppid pgrp session ... utime stime
+            out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def run_rates(w: Workload, args, server_session: int | None = None) -> list[dict]:
     """A warm-up request, then every offered rate in turn; the arrivals and prompts come from
-    --seed, so two servers driven by this get the same requests at the same times."""
+    --seed, so two servers driven by this get the same requests at the same times. With the
+    server's session (a server the benchmark started), each row also says how the CPU was
+    shared during it: the load generator's seconds and each server process's."""
     rng = random.Random(args.seed)
     asyncio.run(_warm_up(w))
     rows = []
     for rate in args.rates:
         n = args.conversations if args.multi_turn else args.num_requests
         total = n * (args.turns if args.multi_turn else 1)
+        before = session_cpu_seconds(server_session) if server_session else {}
         with tqdm(total=total, desc=f"rate {rate}/s", file=sys.stderr) as bar:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             if args.multi_turn:
                 results = asyncio.run(run_multi_turn(w, rate, n, args.turns, rng, bar))
             else:
                 results = asyncio.run(run_single_turn(w, rate, n, rng, bar))
-            duration = time.perf_counter() - t0
+            duration, client_cpu = time.perf_counter() - t0, time.process_time() - c0
         rows.append(summarize(results, rate, duration))
+        if server_session:
+            after = session_cpu_seconds(server_session)
+            rows[-1]["cpu_s"] = {"load generator": client_cpu,
+                                 **{k: v - before.get(k, 0.0) for k, v in after.items() if v > before.get(k, 0.0)}}
         print(json.dumps(rows[-1]), file=sys.stderr)
     return rows
 
@@ -393,7 +415,7 @@ def run_vllm_server(peers: Peers, args, ours: Workload) -> dict:
     proc, url, tmp = launch_server(cmd, env, port, tmp)
     try:
         version = httpx.get(url + "/version", timeout=30).json().get("version", "?")
-        rows = run_rates(replace(ours, url=url), args)
+        rows = run_rates(replace(ours, url=url), args, proc.pid)
     finally:
         stop_server(proc, tmp)
     return {"engine": f"vLLM {version}", "dtype": dtype, "results": rows}
@@ -440,6 +462,18 @@ def _peer_table(rep: dict, peer: dict) -> str:
                            "TPOT p50 ms: ours", "vLLM", "ratio"], rows)
 
 
+def _cpu_table(series: list[tuple[str, list[dict]]]) -> str:
+    """Where the CPU went during each rate's run: wall seconds, then CPU seconds of the load
+    generator and of each server process (the machine has os.cpu_count() cores' worth per second)."""
+    rows = []
+    for name, results in series:
+        for r in results:
+            if "cpu_s" in r:
+                parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["cpu_s"].items(), key=lambda kv: -kv[1]))
+                rows.append([name, _rate_label(r["offered_rate"]), round(r["duration_s"], 2), parts])
+    return markdown_table(["server", "offered req/s", "wall s", "CPU s by process"], rows) if rows else ""
+
+
 def _write_section(section: str, name: str, report: dict, plot: Path) -> None:
     """The section holds one table per mode; each run rewrites its own mode's table."""
     parts = {}
@@ -468,6 +502,10 @@ def _write_section(section: str, name: str, report: dict, plot: Path) -> None:
             md += ["", f"Against {peer['engine']}'s OpenAI server ({peer['dtype']}), driven after ours by the same "
                        "load generator with the same requests at the same times; ratios are ours over theirs "
                        "(throughput: higher is better; latencies: lower is better):", "", _peer_table(rep, peer)]
+        cpu = _cpu_table([("matrixinfer", rep["results"])] + [(p["engine"], p["results"]) for p in rep.get("peers", [])])
+        if cpu:
+            md += ["", f"How the {rep['cpu_count']} cores were shared during each run (the load generator runs on "
+                       "them too):", "", cpu]
         extra = [r for r in rep["results"] if "prompt_tokens_later_turns_mean" in r]
         if extra:
             md += ["", "First turn against later turns (which resend the history, served from the prefix cache):",
