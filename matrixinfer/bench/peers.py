@@ -139,7 +139,11 @@ def run_peer(engine: str, peers: Peers, model_dir: str, dtype: str, threads: int
     else:
         raise ValueError(f"unknown peer {engine!r}")
     out = _run(cmd, json.dumps(job), peers.timeout_s, engine, env)
-    res = json.loads(out.strip().splitlines()[-1])
+    # the runner's answer is its one line starting {"engine" (vLLM also logs to stdout on exit)
+    answer = [line for line in out.splitlines() if line.startswith('{"engine"')]
+    if not answer:
+        raise RuntimeError(f"{engine} gave no result: {out.strip()[-2000:]}")
+    res = json.loads(answer[-1])
     tokens = res["tokens"]
     same = sum(a == b for t, o in zip(tokens, ours) for a, b in zip(t, o))
     return PeerResult(engine=res["engine"], tokens_per_s=len(prompts) * output_len / res["seconds"],

@@ -31,6 +31,7 @@ def test_peer_job_and_greedy_agreement(tmp_path):
         "assert job['prompts'] == [[5, 6], [7, 8]] and job['warm_prompts'] == [[9, 9], [9, 9]]",
         "print('some log line')",
         "print(json.dumps({'engine': 'fake', 'seconds': 0.5, 'tokens': [[1, 2, 3], [1, 9, 3]]}))",
+        "print('INFO shutdown: a log line after the answer, as vLLM prints on exit')",
     ]))
     peers = Peers(llama_python=py, gguf="m.gguf")
     r = run_peer("llama.cpp", peers, "unused", "float32", 2, [[5, 6], [7, 8]], [[9, 9], [9, 9]], 3, 4096,
