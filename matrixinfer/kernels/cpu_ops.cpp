@@ -259,7 +259,8 @@ at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor
 // element at a time; here a vectorised max over the row, then the first 64-wide chunk holding
 // it, then the index inside that chunk. A row of -inf only (every token masked) answers 0, as
 // torch.argmax does: the fast-math build's max starts from the lowest finite float, so such a
-// row finds no element equal to it. NaN rows are not defined here (logits have none).
+// row finds no element equal to it. A NaN wins, as in torch.argmax (the first NaN's index): the
+// fast-math build assumes no NaNs in float compares, so they are found on the bits.
 at::Tensor argmax_rows(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "argmax_rows: float32 [rows, n], got ", x.sizes());
   TORCH_CHECK(x.size(1) > 0, "argmax_rows: empty rows");
@@ -272,16 +273,32 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   at::parallel_for(0, rows, std::max<int64_t>(1, (int64_t{1} << 16) / n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* row = data + r * n;
+      const uint32_t* bits = reinterpret_cast<const uint32_t*>(row);
       float lanes[16];  // 16 running maxima, one per vector lane
+      uint32_t nan[16] = {};  // lanes that met a NaN: exponent all ones, mantissa not zero
       for (int l = 0; l < 16; ++l) lanes[l] = row[std::min<int64_t>(l, n - 1)];
       int64_t j0 = 0;
       for (; j0 + 16 <= n; j0 += 16) {
 #pragma omp simd
-        for (int l = 0; l < 16; ++l) lanes[l] = lanes[l] > row[j0 + l] ? lanes[l] : row[j0 + l];
+        for (int l = 0; l < 16; ++l) {
+          lanes[l] = lanes[l] > row[j0 + l] ? lanes[l] : row[j0 + l];
+          nan[l] |= (bits[j0 + l] & 0x7fffffffu) > 0x7f800000u;
+        }
       }
       float m = lanes[0];
+      uint32_t any_nan = 0;
       for (int l = 1; l < 16; ++l) m = std::max(m, lanes[l]);
-      for (int64_t j = j0; j < n; ++j) m = std::max(m, row[j]);
+      for (int l = 0; l < 16; ++l) any_nan |= nan[l];
+      for (int64_t j = j0; j < n; ++j) {
+        m = std::max(m, row[j]);
+        any_nan |= (bits[j] & 0x7fffffffu) > 0x7f800000u;
+      }
+      if (any_nan) {
+        int64_t at = 0;
+        while ((bits[at] & 0x7fffffffu) <= 0x7f800000u) ++at;
+        idx[r] = at;
+        continue;
+      }
       int64_t at = 0;
       for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
         const int64_t e = std::min(n, c0 + kChunk);

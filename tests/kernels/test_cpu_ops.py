@@ -89,7 +89,8 @@ def test_grouped_mm_equals_per_expert_matmuls_also_compiled(dtype):
 def test_argmax_rows_equals_torch_argmax(width):
     """The first index of each row's maximum, as torch.argmax answers: random rows of widths
     around the 16-lane vectors and 64-wide chunks, ties (the first one wins, wherever it lies),
-    a row of -inf only (0) and rows partly masked to -inf, as sampling masks tokens."""
+    a row of -inf only (0), rows partly masked to -inf, as sampling masks tokens, and NaNs
+    (the first NaN wins, as in torch)."""
     from matrixinfer.kernels import argmax_rows
 
     g = torch.Generator().manual_seed(width)
@@ -100,6 +101,10 @@ def test_argmax_rows_equals_torch_argmax(width):
         x[3, [width - 1, width // 3, 2]] = 9.0  # a three-way tie: index 2 wins
         x[4, [width - 1, width - 2]] = 9.0
     x[5] = 0.0  # all equal: index 0
+    x[6, width // 2] = float("nan")
+    x[7, [width - 1, 0]] = float("nan")
+    x[8, :] = float("inf")
+    x[8, width - 1] = float("nan")
     got = torch.ops.matrixinfer.argmax_rows(x)
     assert torch.equal(got, x.argmax(dim=-1))
     assert torch.equal(argmax_rows(x[:, :width]), x.argmax(dim=-1))  # and the helper's path
