@@ -364,10 +364,14 @@ def session_cpu_seconds(session: int) -> dict[str, float]:
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             text = stat.read_text()
+            argv0 = (stat.parent / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
         except OSError:  # gone meanwhile
             continue
-        name, fields = text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
-        if int(fields[3]) == session:  # fields from the state on: state ppid pgrp session ... utime stime
+        fields = text[text.rindex(")") + 2:].split()  # from the state on: state ppid pgrp session ... utime stime
+        if int(fields[3]) == session:
+            # the title a process set itself (matrixinfer::engine-core, VLLM::Worker), else its
+            # program; the kernel's own name is cut at 15 characters
+            name = Path(argv0).name or text[text.index("(") + 1:text.rindex(")")]
             out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
     return out
 
