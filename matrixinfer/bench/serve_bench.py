@@ -351,8 +351,7 @@ def main(args) -> int:
         name = args.name + ("-multiturn" if args.multi_turn else "")
         save_json(name, report)
         plot = bench_dir() / f"{name}.png"
-        series = [("matrixinfer", rows)] + [(peer["engine"], peer["results"]) for peer in report.get("peers", [])]
-        _plot(series, plot, f"{w.model}: {mode}, {args.input_len} in / {args.output_len} out tokens")
+        _plot(_series(report), plot, f"{w.model}: {mode}, {args.input_len} in / {args.output_len} out tokens")
         _write_section(args.name, name, report, plot)
     return 0 if all(r["failed"] == 0 for r in rows) else 1
 
@@ -451,6 +450,11 @@ def _table(report: dict) -> str:
     return markdown_table(headers, [[("-" if v is None else v) for v in row] for row in rows])
 
 
+def _series(report: dict) -> list[tuple[str, list[dict]]]:
+    """(server, its rows per rate): ours, then each peer's."""
+    return [("matrixinfer", report["results"])] + [(p["engine"], p["results"]) for p in report.get("peers", [])]
+
+
 def _peer_table(rep: dict, peer: dict) -> str:
     def ratio(a, b):
         return "-" if not a or not b else f"{a / b:.2f}x"
@@ -506,7 +510,7 @@ def _write_section(section: str, name: str, report: dict, plot: Path) -> None:
             md += ["", f"Against {peer['engine']}'s OpenAI server ({peer['dtype']}), driven after ours by the same "
                        "load generator with the same requests at the same times; ratios are ours over theirs "
                        "(throughput: higher is better; latencies: lower is better):", "", _peer_table(rep, peer)]
-        cpu = _cpu_table([("matrixinfer", rep["results"])] + [(p["engine"], p["results"]) for p in rep.get("peers", [])])
+        cpu = _cpu_table(_series(rep))
         if cpu:
             md += ["", f"How the {rep['cpu_count']} cores were shared during each run (the load generator runs on "
                        "them too):", "", cpu]

@@ -38,7 +38,6 @@ _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 _loaded: bool | None = None  # None until load_cpu_ops ran: then whether the operators are there
 _small_mm_dtypes: set[torch.dtype] = set()  # what small_mm was built for on this CPU (AVX-512, AVX512-BF16)
 
-
 # From how many rows per matrix a bfloat16 GEMM runs in float32 on a CPU without AMX (2 threads,
 # AVX512-BF16). oneDNN builds a bfloat16 primitive for every new shape, and eager steps meet a
 # new row count nearly every call (prefill chunks, mixed steps): with row counts varying call to
@@ -46,6 +45,8 @@ _small_mm_dtypes: set[torch.dtype] = set()  # what small_mm was built for on thi
 # the grouped expert GEMM 1.08x at 32 rows per expert, 1.6x at 128. A compiled step's shapes are
 # fixed buckets, where bfloat16 holds up better: 0.5-1.1x at 16-64 rows, 1.25-1.5x at 128.
 FLOAT32_GEMM_ROWS = {"eager": 9, "compiled": 128}
+
+
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
     try:
