@@ -8,8 +8,9 @@ cpu_ops.cpp:
   (ATen's _grouped_mm, which torch.compile otherwise traces for bfloat16 only).
 - argmax_rows: greedy sampling's argmax over float32 logits rows, vectorised (the reference:
   torch.argmax, first index on ties).
-- float32_gemm: whether a bfloat16 product of many rows runs faster widened to float32 (CPUs
-  without AMX, where oneDNN's bfloat16 GEMM reaches about 0.6x MKL's float32 one).
+- float32_gemm: whether a bfloat16 product runs faster widened to float32: of many rows on CPUs
+  with AVX512-BF16 but no AMX (oneDNN's bfloat16 GEMM reaches about 0.6x MKL's float32 one),
+  of any size on CPUs with no bfloat16 dot products at all (AVX2: ATen's reference loop, ~1%).
 - small_mm: the few rows of a decode step times their experts' (or one linear's) weights,
   the rows bucketed by expert inside, AVX-512 / AVX512-BF16 dot products (the reference:
   F.linear per row); built for the dtypes this CPU has instructions for, probed at load.
@@ -38,8 +39,8 @@ _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 _loaded: bool | None = None  # None until load_cpu_ops ran: then whether the operators are there
 _small_mm_dtypes: set[torch.dtype] = set()  # what small_mm was built for on this CPU (AVX-512, AVX512-BF16)
 
-# From how many rows per matrix a bfloat16 GEMM runs in float32 on a CPU without AMX (2 threads,
-# AVX512-BF16). oneDNN builds a bfloat16 primitive for every new shape, and eager steps meet a
+# From how many rows per matrix a bfloat16 GEMM runs in float32 on a CPU with AVX512-BF16 but no
+# AMX (2 threads). oneDNN builds a bfloat16 primitive for every new shape, and eager steps meet a
 # new row count nearly every call (prefill chunks, mixed steps): with row counts varying call to
 # call, bfloat16 took 1.2-1.8x the widened float32 time at 9-15 rows and 1.5-3.5x from 32, and
 # the grouped expert GEMM 1.08x at 32 rows per expert, 1.6x at 128. A compiled step's shapes are
@@ -58,17 +59,42 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-_AMX_BF16 = "amx_bf16" in cpu_flags()  # read once at import: a constant to torch.compile
+# read once at import: constants to torch.compile
+AVX512 = "avx512f" in cpu_flags()  # else the operators run 8-lane AVX2 code (or plain loops)
+_AMX_BF16 = "amx_bf16" in cpu_flags()
+# bfloat16 dot-product instructions (AMX-BF16 or AVX512-BF16). Without them oneDNN takes no
+# bfloat16 GEMM and ATen's reference loop runs it: 0.9 GFLOP/s against MKL's float32 82 on an
+# AVX2 EPYC (2 threads, 512 x 1024 x 1024), a batched matmul 49x slower, an einsum 89x.
+_BF16_DOT = _AMX_BF16 or "avx512_bf16" in cpu_flags()
 
 
-def float32_gemm(dtype: torch.dtype, device: torch.device, rows: int) -> bool:
+def float32_gemm(dtype: torch.dtype, device: torch.device, rows: int | None = None) -> bool:
     """Run a bfloat16 product of `rows` rows per matrix in float32 (inputs widened, the result
-    rounded back once): on a CPU without AMX-BF16, from FLOAT32_GEMM_ROWS rows (eager calls,
-    or a graph being compiled). Every product of two bfloat16 numbers is exact in float32 and
-    both GEMMs accumulate in float32, so only the order of the additions differs."""
+    rounded back once) on the CPU: always where it has no bfloat16 dot products (_BF16_DOT);
+    with AVX512-BF16 but no AMX from FLOAT32_GEMM_ROWS rows (eager calls, or a graph being
+    compiled), which were measured for linears and the grouped expert GEMM (rows None: another
+    product, kept in bfloat16 there); never with AMX-BF16. Every product of two bfloat16 numbers is exact in float32
+    and both GEMMs accumulate in float32, so only the order of the additions differs."""
     if dtype != torch.bfloat16 or device.type != "cpu" or _AMX_BF16:
         return False
-    return rows >= FLOAT32_GEMM_ROWS["compiled" if torch.compiler.is_compiling() else "eager"]
+    if not _BF16_DOT:
+        return True
+    return rows is not None and rows >= FLOAT32_GEMM_ROWS["compiled" if torch.compiler.is_compiling() else "eager"]
+
+
+def gemm_dtype(dtype: torch.dtype, device: torch.device, rows: int | None = None) -> torch.dtype:
+    """The dtype a product of `rows` rows per matrix of `dtype` tensors multiplies in: float32
+    where float32_gemm says so, else dtype itself (so `.to()` on it is free)."""
+    return torch.float32 if float32_gemm(dtype, device, rows) else dtype
+
+
+def bfloat16_gemm_policy() -> str:
+    """How bfloat16 GEMMs run on this CPU (float32_gemm), in words for logs and reports."""
+    if _AMX_BF16:
+        return "in bfloat16 (AMX-BF16)"
+    if not _BF16_DOT:
+        return "in float32 (no bfloat16 dot products on this CPU)"
+    return "in float32 from {eager} rows eager, {compiled} compiled (AVX512-BF16, no AMX)".format(**FLOAT32_GEMM_ROWS)
 
 
 def load_cpu_ops() -> bool:

@@ -11,7 +11,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -321,31 +321,83 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 // (none: w holds one matrix, a dense linear). The rows are bucketed by expert here, so the
 // caller neither sorts nor gathers; the weights are read where they lie ([E, N, K], nn.Linear's
 // layout), each weight row once per four rows of its expert, with the dot products along K in
-// 16 float32 lanes (float32) or 32 bfloat16 pairs per AVX512-BF16 instruction (bfloat16, float32
-// accumulation). At a few rows a step reads every weight once and does little arithmetic on it;
-// the BLAS calls this replaces ran 2-4x above that in bfloat16 on a CPU without AMX.
+// float32 lanes (16 with AVX-512, 8 with AVX2), bfloat16 widened to float32 as it loads, or 32
+// bfloat16 pairs per AVX512-BF16 instruction (float32 accumulation). At a few rows a step reads
+// every weight once and does little arithmetic on it; the BLAS calls this replaces ran 2-4x above
+// that in bfloat16 on a CPU without AMX, and 50-90x where the CPU has no bfloat16 dot products
+// (AVX2: ATen's reference loop, or a float32 copy of the weights every call).
 // Reference: F.linear per row and expert (tests compare).
 namespace {
 
 #if defined(__AVX512F__)
+#define MI_SMALL_MM 1
+struct Simd {  // 16 float32 lanes; 32 registers, 16 of them accumulators
+  using reg = __m512;
+  static constexpr int W = 16, kAcc = 16;
+  static reg zero() { return _mm512_setzero_ps(); }
+  static reg load(const float* p) { return _mm512_loadu_ps(p); }
+  static reg load(const c10::BFloat16* p) {  // bfloat16 is the top half of a float32
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  }
+  static reg fma(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
+  static float sum(reg a) { return _mm512_reduce_add_ps(a); }
+};
+#elif defined(__AVX2__) && defined(__FMA__)
+#define MI_SMALL_MM 1
+struct Simd {  // 8 float32 lanes; 16 registers, 8 of them accumulators
+  using reg = __m256;
+  static constexpr int W = 8, kAcc = 8;
+  static reg zero() { return _mm256_setzero_ps(); }
+  static reg load(const float* p) { return _mm256_loadu_ps(p); }
+  static reg load(const c10::BFloat16* p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
+  static reg fma(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
+  static float sum(reg a) {
+    __m128 v = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    v = _mm_hadd_ps(v, v);
+    return _mm_cvtss_f32(_mm_hadd_ps(v, v));
+  }
+};
+#endif
+
+#if defined(MI_SMALL_MM)
 constexpr int kRowTile = 4;  // rows sharing each weight load
 
-// acc[r][g] += x[r][k:k+W] . w[g][k:k+W] over K: W = 16 float32 lanes, or 32 bfloat16 pairs
-// per dot-product instruction; the K tail by masked loads
-template <int R, int G>
-inline void dot_tile(const float* const* x, const float* __restrict w, int64_t K, __m512 (&acc)[R][G]) {
-  for (int64_t k = 0; k < K; k += 16) {
-    const __mmask16 m = K - k >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (K - k)) - 1);
-    __m512 xv[R];
-    for (int r = 0; r < R; ++r) xv[r] = _mm512_maskz_loadu_ps(m, x[r] + k);
+// the last n < W elements of a row, zero-padded to a full register
+template <typename T>
+inline Simd::reg load_tail(const T* p, int64_t n) {
+  T buf[Simd::W] = {};
+  std::copy(p, p + n, buf);
+  return Simd::load(buf);
+}
+
+// acc[r][g] += x[r][k:k+W] . w[g][k:k+W] over K, W float32 lanes at a time, the K tail padded
+template <int R, int G, typename T>
+inline void dot_tile(const T* const* x, const T* __restrict w, int64_t K, Simd::reg (&acc)[R][G]) {
+  int64_t k = 0;
+  for (; k + Simd::W <= K; k += Simd::W) {
+    Simd::reg xv[R];
+    for (int r = 0; r < R; ++r) xv[r] = Simd::load(x[r] + k);
     for (int g = 0; g < G; ++g) {
-      const __m512 wv = _mm512_maskz_loadu_ps(m, w + g * K + k);
-      for (int r = 0; r < R; ++r) acc[r][g] = _mm512_fmadd_ps(xv[r], wv, acc[r][g]);
+      const Simd::reg wv = Simd::load(w + g * K + k);
+      for (int r = 0; r < R; ++r) acc[r][g] = Simd::fma(xv[r], wv, acc[r][g]);
+    }
+  }
+  if (k < K) {
+    Simd::reg xv[R];
+    for (int r = 0; r < R; ++r) xv[r] = load_tail(x[r] + k, K - k);
+    for (int g = 0; g < G; ++g) {
+      const Simd::reg wv = load_tail(w + g * K + k, K - k);
+      for (int r = 0; r < R; ++r) acc[r][g] = Simd::fma(xv[r], wv, acc[r][g]);
     }
   }
 }
 
 #if defined(__AVX512BF16__)
+// bfloat16 with its dot-product instruction: 32 pairs per step, the K tail by masked loads
 template <int R, int G>
 inline void dot_tile(const c10::BFloat16* const* x, const c10::BFloat16* __restrict w, int64_t K,
                      __m512 (&acc)[R][G]) {
@@ -362,29 +414,30 @@ inline void dot_tile(const c10::BFloat16* const* x, const c10::BFloat16* __restr
 #endif
 
 // R rows times outputs [n0, n1) of one matrix w [N, K], into float32 rows y[r][n - n0]: G
-// outputs per pass over K (16 accumulators at one row, 8 outputs at two, 4 at four)
+// outputs per pass over K (with 16 accumulators: 16 at one row, 8 at two, 4 at four)
 template <typename T, int R>
 void rows_times(const T* const* x, const T* w, int64_t K, int64_t n0, int64_t n1, float* const* y) {
-  constexpr int G = 16 / R;
+  constexpr int G = Simd::kAcc / R;
   int64_t n = n0;
   for (; n < n1; n += G) {
-    __m512 acc[R][G];
+    Simd::reg acc[R][G];
     for (int r = 0; r < R; ++r)
-      for (int g = 0; g < G; ++g) acc[r][g] = _mm512_setzero_ps();
+      for (int g = 0; g < G; ++g) acc[r][g] = Simd::zero();
     if (n + G <= n1) {
       dot_tile<R, G>(x, w + n * K, K, acc);
       for (int r = 0; r < R; ++r)
-        for (int g = 0; g < G; ++g) y[r][n - n0 + g] = _mm512_reduce_add_ps(acc[r][g]);
+        for (int g = 0; g < G; ++g) y[r][n - n0 + g] = Simd::sum(acc[r][g]);
     } else {  // the last outputs, one at a time
       for (int64_t m = n; m < n1; ++m) {
-        __m512 one[R][1];
-        for (int r = 0; r < R; ++r) one[r][0] = _mm512_setzero_ps();
+        Simd::reg one[R][1];
+        for (int r = 0; r < R; ++r) one[r][0] = Simd::zero();
         dot_tile<R, 1>(x, w + m * K, K, one);
-        for (int r = 0; r < R; ++r) y[r][m - n0] = _mm512_reduce_add_ps(one[r][0]);
+        for (int r = 0; r < R; ++r) y[r][m - n0] = Simd::sum(one[r][0]);
       }
     }
   }
 }
+#endif  // MI_SMALL_MM
 
 // float32 scratch -> an output row: copied, or rounded to bfloat16 (nearest even) 16 at a time
 inline void store_row(const float* src, float* dst, int64_t n) { std::copy(src, src + n, dst); }
@@ -403,6 +456,7 @@ struct Groups {
   std::vector<int64_t> order, start, experts;  // experts: those with rows
 };
 
+#if defined(MI_SMALL_MM)
 template <typename T>
 void small_mm_kernel(const T* x, const T* w, const Groups& groups, int64_t K, int64_t N, T* out) {
   // tasks: (expert with rows, a range of 64 outputs), so two threads share even one expert's
@@ -440,7 +494,7 @@ void small_mm_kernel(const T* x, const T* w, const Groups& groups, int64_t K, in
     at::parallel_for(0, tasks, 1, run);
   }
 }
-#endif  // __AVX512F__
+#endif  // MI_SMALL_MM
 
 }  // namespace
 
@@ -472,18 +526,16 @@ at::Tensor small_mm(const at::Tensor& x, const at::Tensor& w, const std::optiona
   for (int64_t e = 0; e < E; ++e)
     if (groups.start[e + 1] > groups.start[e]) groups.experts.push_back(e);
   at::Tensor out = at::empty({P, N}, xc.options());
-#if defined(__AVX512F__)
+#if defined(MI_SMALL_MM)
   if (xc.scalar_type() == at::kFloat) {
     small_mm_kernel<float>(xc.data_ptr<float>(), wc.data_ptr<float>(), groups, K, N, out.data_ptr<float>());
     return out;
   }
-#if defined(__AVX512BF16__)
   if (xc.scalar_type() == at::kBFloat16) {
     small_mm_kernel<c10::BFloat16>(xc.data_ptr<c10::BFloat16>(), wc.data_ptr<c10::BFloat16>(), groups, K, N,
                                    out.data_ptr<c10::BFloat16>());
     return out;
   }
-#endif
 #endif
   TORCH_CHECK(false, "small_mm: not built for ", xc.scalar_type(), " on this CPU");  // the Python side probes this
 }

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from matrixinfer.config import ModelConfig
-from matrixinfer.kernels import cpu_ops_serve, paged_mla_decode, small_mm, small_mm_serves
+from matrixinfer.kernels import cpu_ops_serve, gemm_dtype, paged_mla_decode, small_mm, small_mm_serves
 from matrixinfer.model.context import ForwardContext, get_context
 from matrixinfer.model.layers import (
     ColumnParallelLinear,
@@ -216,21 +216,24 @@ class MLAttention(nn.Module):
         w_uk, w_uv = self._w_uk_uv()
         if q_nope.shape[1] != self.n_heads:  # queries folded into heads
             w_uk, w_uv = (w.repeat(q_nope.shape[1] // self.n_heads, 1, 1) for w in (w_uk, w_uv))
-        q_lat = torch.einsum("shd,hdr->shr", q_nope, w_uk)
+        ct = gemm_dtype(q_nope.dtype, q_nope.device)
+        q_lat = torch.einsum("shd,hdr->shr", q_nope.to(ct), w_uk.to(ct)).to(q_nope.dtype)
         q = torch.cat([q_lat, q_pe], dim=-1)  # [S, H, rank + rope]
         if paged is not None:
             o_lat = paged_mla_decode(q, paged[0], paged[1], lens, self.scale, self.kv_lora_rank)
-            return torch.einsum("shr,hvr->shv", o_lat, w_uv)
-        return torch.einsum("shr,hvr->shv", self._attend_latents(q, latents, lens), w_uv)
+        else:
+            o_lat = self._attend_latents(q, latents, lens)
+        return torch.einsum("shr,hvr->shv", o_lat.to(ct), w_uv.to(ct)).to(q_nope.dtype)
 
     def _attend_latents(self, q: torch.Tensor, latents: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
         """q [S, H, rank + rope] over gathered latents [S, T, rank + rope], the first lens [S]
         (or [S, H]) of each -> o_lat [S, H, rank]."""
-        scores = torch.bmm(q, latents.transpose(1, 2)).float() * self.scale  # [S, H, T]
+        ct = gemm_dtype(q.dtype, q.device)
+        scores = torch.bmm(q.to(ct), latents.to(ct).transpose(1, 2)).float() * self.scale  # [S, H, T]
         valid = torch.arange(latents.shape[1], device=q.device)[None, :] < lens[..., None]  # [S, T] or [S, H, T]
         scores = scores.masked_fill(~valid[:, None, :] if lens.dim() == 1 else ~valid, float("-inf"))
         probs = scores.softmax(dim=-1).to(q.dtype)
-        return torch.bmm(probs, latents[..., : self.kv_lora_rank])  # [S, H, rank]
+        return torch.bmm(probs.to(ct), latents[..., : self.kv_lora_rank].to(ct)).to(q.dtype)  # [S, H, rank]
 
     def forward_rows(self, x: torch.Tensor, rope, rows: torch.Tensor | None,
                      rows_ctx: ForwardContext | None) -> torch.Tensor | None:

@@ -62,13 +62,11 @@ class Worker:
         self.num_blocks = num_kv_blocks(config, self.model, self.max_model_len)
         self.runner = self._make_runner()
         compiled = self.runner.compiled_decode
-        from matrixinfer.kernels import FLOAT32_GEMM_ROWS, float32_gemm
+        from matrixinfer.kernels import bfloat16_gemm_policy
 
-        widen = float32_gemm(torch.bfloat16, torch.device("cpu"), FLOAT32_GEMM_ROWS["eager"])
         log.info("rank %d: %d intra-op threads, CPU kernels %s, bfloat16 GEMMs %s, decode step %s", rank,
                  torch.get_num_threads(), torch.backends.cpu.get_cpu_capability(),
-                 "in float32 from {eager} rows eager, {compiled} compiled (no AMX-BF16)".format(**FLOAT32_GEMM_ROWS)
-                 if widen else "in bfloat16",
+                 bfloat16_gemm_policy(),
                  "eager" if compiled is None else f"compiled in {compiled.compile_s:.1f} s")
         from matrixinfer.parallel import get_head_group
 

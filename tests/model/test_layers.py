@@ -17,7 +17,7 @@ from matrixinfer.model.layers import (
     UnquantizedExpertsMethod,
     UnquantizedLinearMethod,
 )
-from matrixinfer.kernels import load_cpu_ops, small_mm_serves
+from matrixinfer.kernels import AVX512, load_cpu_ops, small_mm_serves
 from matrixinfer.model.loader import load_model
 from tests.hf_fixtures import make_checkpoint
 
@@ -192,8 +192,8 @@ def test_the_expert_paths_agree(subset):
             assert torch.allclose(experts(x, weights, ids, path=path), grouped, atol=1e-5), path
     assert experts.path(1, 2) == ("pairs" if subset is None else "all")
     cpu = torch.device("cpu")
-    if subset is None and ops:  # a few pairs per expert: the operator, but float32 keeps pairs at 1 token
-        assert experts.path(1, 2, cpu, torch.float32) == "pairs"
+    if subset is None and ops:  # a few pairs per expert: the operator, but float32 with AVX-512 keeps pairs at 1 token
+        assert experts.path(1, 2, cpu, torch.float32) == ("pairs" if AVX512 else "small_mm")
         assert experts.path(3, 2, cpu, torch.float32) == "small_mm"
         bf16 = RoutedExperts(n_exp, h, i, params_dtype=torch.bfloat16)  # bfloat16 takes the operator at 1 token too
         assert bf16.path(1, 2, cpu, torch.bfloat16) == ("small_mm" if small_mm_serves(torch.bfloat16, cpu) else "pairs")
@@ -203,26 +203,35 @@ def test_the_expert_paths_agree(subset):
     assert RoutedExperts(n_exp, h, 6).path(14, 2, cpu) == "all"  # 24-byte rows: not for the operator
 
 
-@pytest.mark.parametrize("amx", [False, True])
-def test_many_bfloat16_rows_multiply_in_float32_where_no_amx(monkeypatch, amx):
-    """A bfloat16 linear or grouped expert GEMM of many rows runs in float32 (the result
-    rounded once) on a CPU without AMX-BF16, and in bfloat16 where AMX is there; both agree
-    within bfloat16 rounding. A graph being compiled (fixed shapes) widens from more rows."""
+@pytest.mark.parametrize("cpu", ["avx512_bf16", "amx", "no_bf16"])
+def test_bfloat16_products_multiply_in_float32_by_cpu(monkeypatch, cpu):
+    """A bfloat16 linear or grouped expert GEMM runs in float32 (the result rounded once): from
+    FLOAT32_GEMM_ROWS rows on a CPU with AVX512-BF16 but no AMX (a graph being compiled, with
+    fixed shapes, from more rows), at every size on a CPU with no bfloat16 dot products, and
+    never with AMX-BF16; both agree within bfloat16 rounding. The other products (rows None)
+    widen only without bfloat16 dot products."""
     import matrixinfer.kernels as kernels
 
+    amx = cpu == "amx"
     monkeypatch.setattr(kernels, "_AMX_BF16", amx)
+    monkeypatch.setattr(kernels, "_BF16_DOT", cpu != "no_bf16")
     eager, compiled = kernels.FLOAT32_GEMM_ROWS["eager"], kernels.FLOAT32_GEMM_ROWS["compiled"]
+    assert kernels.gemm_dtype(torch.bfloat16, torch.device("cpu")) == (torch.float32 if cpu == "no_bf16"
+                                                                       else torch.bfloat16)
+    assert kernels.gemm_dtype(torch.float32, torch.device("cpu"), 1000) == torch.float32
     layer = ColumnParallelLinear(64, 96, params_dtype=torch.bfloat16)
     w = torch.randn(96, 64, generator=G).bfloat16()
     load(layer, w)
     x = torch.randn(compiled, 64, generator=G).bfloat16()
     with torch.no_grad():
-        for rows, compiling in ((eager, False), (compiled, False), (compiled, True), (compiled - 1, True)):
+        for rows, compiling in ((1, False), (eager, False), (compiled, False), (compiled, True), (compiled - 1, True)):
             monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
             widened, native = F.linear(x[:rows].float(), w.float()).bfloat16(), F.linear(x[:rows], w)
             out = layer(x[:rows])
             assert out.dtype == torch.bfloat16
-            assert torch.equal(out, native if amx or rows < (compiled if compiling else eager) else widened)
+            narrow = amx or (cpu == "avx512_bf16" and rows < (compiled if compiling else eager))
+            if rows > 1 or not small_mm_serves(torch.bfloat16, torch.device("cpu")):  # one row: the operator
+                assert torch.equal(out, native if narrow else widened)
             assert torch.allclose(widened.float(), native.float(), rtol=1e-2, atol=1e-2)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
     rows = compiled

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from matrixinfer.kernels import cpu_ops_serve
+from matrixinfer.kernels import AVX512, cpu_ops_serve, gemm_dtype
 from matrixinfer.model.layers.linear import copy_shard
 from matrixinfer.model.layers.quantization import UNQUANTIZED, QuantizationConfig
 from matrixinfer.parallel.state import get_tp_rank, get_tp_size
@@ -75,9 +75,10 @@ class RoutedExperts(nn.Module):
         break), in the order tried:
         - "small_mm" (the CPU operator) at a few pairs per expert (SMALL_MM_PAIRS_PER_EXPERT):
           it buckets the pairs by expert itself and reads each active expert's weights once.
-          float32 keeps "pairs" at one or two tokens, where the compiled step fuses the gather,
-          multiply and sum into one kernel (0.66 vs 0.72 ms a step at batch 1); in bfloat16
-          small_mm wins there too (1.49 vs 1.56 ms on the 512 + 64 model).
+          float32 with AVX-512 keeps "pairs" at one or two tokens, where the compiled step fuses
+          the gather, multiply and sum into one kernel (0.66 vs 0.72 ms a step at batch 1); in
+          bfloat16, or with AVX2, small_mm wins there too (1.49 vs 1.56 ms on the 512 + 64
+          model in bfloat16).
         - "pairs" gathers each pair's expert weights when that reads fewer weights than running
           every local expert.
         - "grouped_mm" groups the pairs by expert on the device and runs one grouped matmul
@@ -91,7 +92,7 @@ class RoutedExperts(nn.Module):
         pairs = not self.is_subset and 2 * num_tokens * top_k <= n_local
         small = (not self.is_subset and num_tokens * top_k <= SMALL_MM_PAIRS_PER_EXPERT.get(dtype, 0) * n_local
                  and device is not None and self.quant_method.small_mm_serves(self, dtype, device))
-        if small and not (pairs and dtype == torch.float32):
+        if small and not (pairs and dtype == torch.float32 and AVX512):
             return "small_mm"
         if pairs:
             return "pairs"
@@ -115,14 +116,16 @@ class RoutedExperts(nn.Module):
         if path == "pairs":
             y = self.quant_method.apply_pairs(self, x, self.local_index[ids])
             if y is not None:
-                return torch.einsum("nk,nkh->nh", weights.to(x.dtype), y)
+                ct = gemm_dtype(x.dtype, x.device)
+                return torch.einsum("nk,nkh->nh", weights.to(ct), y.to(ct)).to(x.dtype)
         elif path == "all":
             y = self.quant_method.apply_all(self, x)
             if y is not None:
                 n_local, local = len(self.expert_ids), self.local_index[ids]
                 combine = weights.new_zeros(n, n_local + 1)  # column n_local collects pairs held elsewhere
                 combine.scatter_add_(1, torch.where(local >= 0, local, n_local), weights)
-                return torch.einsum("ne,enh->nh", combine[:, :n_local].to(x.dtype), y)
+                ct = gemm_dtype(x.dtype, x.device)
+                return torch.einsum("ne,enh->nh", combine[:, :n_local].to(ct), y.to(ct)).to(x.dtype)
         return self._grouped(x, weights, ids)
 
     def _grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, sync_free: bool = False) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from matrixinfer.kernels import float32_gemm, grouped_mm, small_mm, small_mm_serves
+from matrixinfer.kernels import AVX512, gemm_dtype, grouped_mm, small_mm, small_mm_serves
 
 WeightLoader = Callable[..., None]
 
@@ -46,9 +46,13 @@ class LinearMethodBase:
 
 # Up to how many rows a dense linear runs the few-rows operator (kernels.small_mm) instead of
 # F.linear, per dtype. Measured per projection of the bundled and the 512 + 64 models, 2
-# threads, no AMX: bfloat16 1.3-3.5x faster up to 8 rows, level at 16. float32 is not listed:
-# 1.1-1.4x alone at one row, but slower inside a compiled step (0.72 vs 0.66 ms at batch 1).
-SMALL_MM_ROWS = {torch.bfloat16: 8}
+# threads, no AMX: bfloat16 1.3-3.5x faster up to 8 rows, level at 16; float32 1.1-1.4x at one
+# row with AVX-512, 1.3-2.5x at 1-8 rows with AVX2.
+SMALL_MM_ROWS = {torch.bfloat16: 8, torch.float32: 8}
+# The dtypes for which it also runs inside a compiled step. float32 with AVX-512 does not: there
+# inductor's graph around MKL was faster (0.66 vs 0.72 ms a step at batch 1); with AVX2 the
+# operator wins (bundled model, median step 1.06-1.48 vs 1.75-1.92 ms at batch 1, AMD EPYC).
+SMALL_MM_COMPILED = {torch.bfloat16} if AVX512 else {torch.bfloat16, torch.float32}
 
 
 class UnquantizedLinearMethod(LinearMethodBase):
@@ -59,11 +63,11 @@ class UnquantizedLinearMethod(LinearMethodBase):
 
     def apply(self, layer, x):
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if 0 < rows <= SMALL_MM_ROWS.get(x.dtype, 0) and small_mm_serves(x.dtype, x.device):
+        if (0 < rows <= SMALL_MM_ROWS.get(x.dtype, 0) and small_mm_serves(x.dtype, x.device)
+                and (x.dtype in SMALL_MM_COMPILED or not torch.compiler.is_compiling())):
             return small_mm(x.reshape(rows, x.shape[-1]), layer.weight[None]).view(*x.shape[:-1], -1)
-        if float32_gemm(x.dtype, x.device, rows):
-            return F.linear(x.float(), layer.weight.float()).to(x.dtype)
-        return F.linear(x, layer.weight)
+        ct = gemm_dtype(x.dtype, x.device, rows)
+        return F.linear(x.to(ct), layer.weight.to(ct)).to(x.dtype)
 
 
 class ExpertsMethodBase:
@@ -120,9 +124,8 @@ class UnquantizedExpertsMethod(ExpertsMethodBase):
 
     def apply_grouped_mm(self, layer, xs, offs):
         w13, w2 = layer.w13_weight, layer.w2_weight
-        if float32_gemm(xs.dtype, xs.device, xs.shape[0] // w13.shape[0]):  # rows per expert, on average
-            return _grouped_swiglu(xs.float(), w13.float(), w2.float(), offs).to(xs.dtype)
-        return _grouped_swiglu(xs, w13, w2, offs)
+        ct = gemm_dtype(xs.dtype, xs.device, xs.shape[0] // w13.shape[0])  # rows per expert, on average
+        return _grouped_swiglu(xs.to(ct), w13.to(ct), w2.to(ct), offs).to(xs.dtype)
 
     def small_mm_serves(self, layer, dtype, device):
         return small_mm_serves(dtype, device) and layer.w13_weight.dtype == dtype
@@ -142,15 +145,16 @@ class UnquantizedExpertsMethod(ExpertsMethodBase):
         layer.register_parameter("w2_weight", w2)
 
     def apply_all(self, layer, x):
-        gate, up = torch.matmul(x, layer.w13_weight.transpose(1, 2)).chunk(2, dim=-1)  # [E, N, I] each
-        return torch.bmm(F.silu(gate) * up, layer.w2_weight.transpose(1, 2))
+        ct = gemm_dtype(x.dtype, x.device)
+        gate, up = torch.matmul(x.to(ct), layer.w13_weight.to(ct).transpose(1, 2)).chunk(2, dim=-1)  # [E, N, I] each
+        return torch.bmm(F.silu(gate) * up, layer.w2_weight.to(ct).transpose(1, 2)).to(x.dtype)
 
     def apply_pairs(self, layer, x, local):
-        k = local.shape[1]
+        k, ct = local.shape[1], gemm_dtype(x.dtype, x.device)
         w13, w2 = layer.w13_weight[local.flatten()], layer.w2_weight[local.flatten()]  # [N*k, ...]
         xs = x.repeat_interleave(k, dim=0)[:, :, None]  # [N*k, H, 1]
-        gate, up = torch.bmm(w13, xs).chunk(2, dim=1)
-        return torch.bmm(w2, F.silu(gate) * up).view(x.shape[0], k, -1)
+        gate, up = torch.bmm(w13.to(ct), xs.to(ct)).chunk(2, dim=1)
+        return torch.bmm(w2.to(ct), F.silu(gate) * up).view(x.shape[0], k, -1).to(x.dtype)
 
     def apply(self, layer, xs, local, counts):
         """All experts at once: rows padded to [E, max count, H] and two batched matmuls.
@@ -162,16 +166,18 @@ class UnquantizedExpertsMethod(ExpertsMethodBase):
             ys = []
             for e, chunk in enumerate(xs.split(counts.tolist())):
                 if chunk.numel():
-                    gate, up = F.linear(chunk, w13[e]).chunk(2, dim=-1)
-                    ys.append(F.linear(F.silu(gate) * up, w2[e]))
+                    ct = gemm_dtype(chunk.dtype, chunk.device, chunk.shape[0])
+                    gate, up = F.linear(chunk.to(ct), w13[e].to(ct)).chunk(2, dim=-1)
+                    ys.append(F.linear(F.silu(gate) * up, w2[e].to(ct)).to(xs.dtype))
             return torch.cat(ys) if ys else xs
+        ct = gemm_dtype(xs.dtype, xs.device)
         offsets = torch.cumsum(counts, 0) - counts
         pos = torch.arange(xs.shape[0], device=xs.device) - offsets[local]
         padded = xs.new_zeros(n_exp, max_count, xs.shape[-1])
         padded[local, pos] = xs
-        gate, up = torch.bmm(padded, w13.transpose(1, 2)).chunk(2, dim=-1)
-        out = torch.bmm(F.silu(gate) * up, w2.transpose(1, 2))
-        return out[local, pos]
+        gate, up = torch.bmm(padded.to(ct), w13.to(ct).transpose(1, 2)).chunk(2, dim=-1)
+        out = torch.bmm(F.silu(gate) * up, w2.to(ct).transpose(1, 2))
+        return out[local, pos].to(xs.dtype)
 
 
 def _grouped_swiglu(xs: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
