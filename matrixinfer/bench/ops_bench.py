@@ -40,6 +40,7 @@ DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "matrixinfer-ti
 def cpu_info() -> dict:
     """CPU model, torch's CPU kernel path, and the matrix-extension flags the kernels can use."""
     from matrixinfer.kernels import bfloat16_gemm_policy, cpu_flags, load_cpu_ops, small_mm_serves
+    from matrixinfer.model.layers.quantization import SMALL_MM_COMPILED
 
     name, flags = platform.processor() or "unknown CPU", cpu_flags()
     try:
@@ -54,6 +55,7 @@ def cpu_info() -> dict:
             "bf16_gemms": bfloat16_gemm_policy(),
             "small_mm": [str(d)[6:] for d in (torch.float32, torch.bfloat16)
                          if load_cpu_ops() and small_mm_serves(d, torch.device("cpu"))],
+            "small_mm_compiled": sorted(str(d)[6:] for d in SMALL_MM_COMPILED),
             "threads": torch.get_num_threads(), "torch": torch.__version__,
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 

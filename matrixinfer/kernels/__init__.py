@@ -48,19 +48,27 @@ _small_mm_dtypes: set[torch.dtype] = set()  # what small_mm was built for on thi
 FLOAT32_GEMM_ROWS = {"eager": 9, "compiled": 128}
 
 
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
+def _cpuinfo(field: str) -> str:
+    """The first value of `field` in /proc/cpuinfo ("" where it cannot be read)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.split(":", 1)[1].split())
+            if line.startswith(field):
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return frozenset()
+    return ""
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
+    return frozenset(_cpuinfo("flags").split())
 
 
 # read once at import: constants to torch.compile
 AVX512 = "avx512f" in cpu_flags()  # else the operators run 8-lane AVX2 code (or plain loops)
+# torch's x86 wheels multiply float32 with MKL, Intel's BLAS, which at a decode step's few rows
+# ran ahead of small_mm on an Intel Xeon and behind it on AMD EPYCs (layers/quantization.py)
+INTEL = _cpuinfo("vendor_id") == "GenuineIntel"
 _AMX_BF16 = "amx_bf16" in cpu_flags()
 # bfloat16 dot-product instructions (AMX-BF16 or AVX512-BF16). Without them oneDNN takes no
 # bfloat16 GEMM and ATen's reference loop runs it: 0.9 GFLOP/s against MKL's float32 82 on an

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from matrixinfer.kernels import AVX512, gemm_dtype, grouped_mm, small_mm, small_mm_serves
+from matrixinfer.kernels import AVX512, INTEL, gemm_dtype, grouped_mm, small_mm, small_mm_serves
 
 WeightLoader = Callable[..., None]
 
@@ -49,10 +49,12 @@ class LinearMethodBase:
 # threads, no AMX: bfloat16 1.3-3.5x faster up to 8 rows, level at 16; float32 1.1-1.4x at one
 # row with AVX-512, 1.3-2.5x at 1-8 rows with AVX2.
 SMALL_MM_ROWS = {torch.bfloat16: 8, torch.float32: 8}
-# The dtypes for which it also runs inside a compiled step. float32 with AVX-512 does not: there
-# inductor's graph around MKL was faster (0.66 vs 0.72 ms a step at batch 1); with AVX2 the
-# operator wins (bundled model, median step 1.06-1.48 vs 1.75-1.92 ms at batch 1, AMD EPYC).
-SMALL_MM_COMPILED = {torch.bfloat16} if AVX512 else {torch.bfloat16, torch.float32}
+# The dtypes for which it also runs inside a compiled step (bundled model, float32, median
+# engine step at batch 1). float32 on an Intel Xeon with AVX-512 does not: there inductor's graph
+# around MKL's GEMMs was faster (0.66 vs 0.72 ms). On AMD EPYCs the operator wins: 0.78-0.92 vs
+# 0.91-1.62 ms (Zen 4, AVX-512; 2.30-2.40 vs 2.62-3.27 ms at batch 8) and 1.06-1.48 vs 1.75-1.92
+# ms (Zen 3, AVX2).
+SMALL_MM_COMPILED = {torch.bfloat16} if AVX512 and INTEL else {torch.bfloat16, torch.float32}
 
 
 class UnquantizedLinearMethod(LinearMethodBase):
