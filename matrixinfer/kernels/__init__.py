@@ -76,24 +76,27 @@ _AMX_BF16 = "amx_bf16" in cpu_flags()
 _BF16_DOT = _AMX_BF16 or "avx512_bf16" in cpu_flags()
 
 
-def float32_gemm(dtype: torch.dtype, device: torch.device, rows: int | None = None) -> bool:
+def float32_gemm(dtype: torch.dtype, device: torch.device, rows: int | None = None, fixed_shape: bool = False) -> bool:
     """Run a bfloat16 product of `rows` rows per matrix in float32 (inputs widened, the result
     rounded back once) on the CPU: always where it has no bfloat16 dot products (_BF16_DOT);
     with AVX512-BF16 but no AMX from FLOAT32_GEMM_ROWS rows (eager calls, or a graph being
-    compiled), which were measured for linears and the grouped expert GEMM (rows None: another
-    product, kept in bfloat16 there); never with AMX-BF16. Every product of two bfloat16 numbers is exact in float32
+    compiled, or fixed_shape: a product whose shape repeats call to call), which were measured
+    for linears and the grouped expert GEMM (rows None: another product, kept in bfloat16
+    there); never with AMX-BF16. Every product of two bfloat16 numbers is exact in float32
     and both GEMMs accumulate in float32, so only the order of the additions differs."""
     if dtype != torch.bfloat16 or device.type != "cpu" or _AMX_BF16:
         return False
     if not _BF16_DOT:
         return True
-    return rows is not None and rows >= FLOAT32_GEMM_ROWS["compiled" if torch.compiler.is_compiling() else "eager"]
+    fixed = fixed_shape or torch.compiler.is_compiling()
+    return rows is not None and rows >= FLOAT32_GEMM_ROWS["compiled" if fixed else "eager"]
 
 
-def gemm_dtype(dtype: torch.dtype, device: torch.device, rows: int | None = None) -> torch.dtype:
+def gemm_dtype(dtype: torch.dtype, device: torch.device, rows: int | None = None,
+               fixed_shape: bool = False) -> torch.dtype:
     """The dtype a product of `rows` rows per matrix of `dtype` tensors multiplies in: float32
     where float32_gemm says so, else dtype itself (so `.to()` on it is free)."""
-    return torch.float32 if float32_gemm(dtype, device, rows) else dtype
+    return torch.float32 if float32_gemm(dtype, device, rows, fixed_shape) else dtype
 
 
 def bfloat16_gemm_policy() -> str:

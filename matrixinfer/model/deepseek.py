@@ -130,7 +130,8 @@ class DeepseekForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = DeepseekModel(cfg, expert_ids, with_mtp, quant_config)
-        self.lm_head = ReplicatedLinear(cfg.hidden_size, cfg.vocab_size, quant_config=quant_config, prefix="lm_head")
+        self.lm_head = ReplicatedLinear(cfg.hidden_size, cfg.vocab_size, quant_config=quant_config, prefix="lm_head",
+                                        rows_repeat=True)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -12,12 +12,14 @@ from matrixinfer.model.layers import (
     MergedColumnParallelLinear,
     MergedReplicatedLinear,
     QuantizationConfig,
+    ReplicatedLinear,
     RoutedExperts,
     RowParallelLinear,
     UnquantizedExpertsMethod,
     UnquantizedLinearMethod,
 )
 from matrixinfer.kernels import AVX512, load_cpu_ops, small_mm_serves
+from matrixinfer.model.layers.quantization import SMALL_MM_REPEATED_ROWS
 from matrixinfer.model.loader import load_model
 from tests.hf_fixtures import make_checkpoint
 
@@ -234,6 +236,18 @@ def test_bfloat16_products_multiply_in_float32_by_cpu(monkeypatch, cpu):
                 assert torch.equal(out, native if narrow else widened)
             assert torch.allclose(widened.float(), native.float(), rtol=1e-2, atol=1e-2)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    # the logits' linear (rows_repeat: the same row count step after step) has fixed shapes in
+    # eager calls too: past small_mm's rows it keeps bfloat16 below the compiled threshold
+    head = load(ReplicatedLinear(64, 96, params_dtype=torch.bfloat16, rows_repeat=True), w)
+    with torch.no_grad():
+        rows = SMALL_MM_REPEATED_ROWS[torch.bfloat16] + 1
+        assert eager < rows < compiled
+        native, widened = F.linear(x[:rows], w), F.linear(x[:rows].float(), w.float()).bfloat16()
+        assert torch.equal(head(x[:rows]), widened if cpu == "no_bf16" else native)
+        if small_mm_serves(torch.bfloat16, torch.device("cpu")):  # up to its rows, the operator
+            rows -= 1
+            out = head(x[:rows]).float()
+            assert torch.allclose(out, F.linear(x[:rows].float(), w.float()), rtol=1e-2, atol=1e-2)
     rows = compiled
     if not load_cpu_ops():
         return

@@ -59,8 +59,11 @@ class LinearBase(nn.Module):
 
     def __init__(self, input_size: int, output_sizes: list[int], quant_config: QuantizationConfig | None = None,
                  prefix: str = "", params_dtype: torch.dtype | None = None,
-                 tp_rank: int | None = None, tp_size: int | None = None):
+                 tp_rank: int | None = None, tp_size: int | None = None, rows_repeat: bool = False):
         super().__init__()
+        # rows_repeat: called with one row per sequence of a step (the logits), so the same row
+        # count step after step, which the linear methods may treat as a fixed shape
+        self.rows_repeat = rows_repeat
         self.tp_rank = get_tp_rank() if tp_rank is None else tp_rank
         self.tp_size = get_tp_size() if tp_size is None else tp_size
         if self.split is None:
