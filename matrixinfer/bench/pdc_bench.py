@@ -33,14 +33,13 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import httpx
 import numpy as np
 import yaml
 from tqdm import tqdm
 
 from matrixinfer.bench.report import bench_dir, markdown_table, save_json, write_section
-from matrixinfer.bench.serve_bench import (Result, Workload, _workload, poisson_arrivals, run_multi_turn, run_prompts,
-                                           start_server, stop_server, stream_request, summarize)
+from matrixinfer.bench.serve_bench import (Result, Workload, _workload, load_client, poisson_arrivals, run_multi_turn,
+                                           run_prompts, start_server, stop_server, stream_request, summarize)
 
 NAME = "pdc"
 
@@ -132,7 +131,7 @@ async def _unloaded(w: Workload, n: int = 3) -> dict:
     """A warm-up request (first-call costs stay out of the numbers), then n requests one at a
     time: the system's latency without load (medians)."""
     results = []
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+    async with load_client() as client:
         for i in range(n + 1):
             prompt = random.Random(-1 - i).choices(w.token_pool, k=w.input_len)
             r = await stream_request(client, w, "/v1/completions", {"prompt": prompt})
