@@ -19,11 +19,14 @@ from matrixinfer.parallel.state import get_tp_rank, get_tp_size
 
 PIECES = ("gate_proj", "up_proj", "down_proj")  # checkpoint names of an expert's projections
 # Up to how many pairs per local expert (on average) the MoE runs the few-rows operator
-# (kernels.small_mm) rather than ATen's grouped matmul (per-expert GEMMs), per dtype, measured
-# as whole compiled steps: float32 8 (bundled model: 1.42 vs 1.62 ms at 8 tokens, 2.66-2.80 vs
-# 3.19-3.53 ms at 32); bfloat16 16 (the grouped matmul's per-expert bf16 GEMMs were 7.2 of a
-# 21.8 ms step at 32 tokens of the 512 + 64 model).
-SMALL_MM_PAIRS_PER_EXPERT = {torch.float32: 8, torch.bfloat16: 16}
+# (kernels.small_mm) rather than ATen's grouped matmul (per-expert GEMMs), per dtype. As whole
+# compiled decode steps (bundled model, float32): 1.42 vs 1.62 ms at 8 tokens, 2.66-2.80 vs
+# 3.19-3.53 ms at 32. Per MoE layer (SwiGLU, both GEMMs), AMD EPYC Zen 4, bundled model (8 x
+# 256 -> 192) / the 512 + 64 model (16 x 512 -> 256): float32 at 32 pairs per expert 597 vs 685
+# us / 4.6 vs 7.1 ms, at 128 2.7 vs 2.2 ms / 14.5 vs 16.7 ms; bfloat16 at 32 357 vs 809 us /
+# 2.0 vs 2.8 ms, at 64 3.7 vs 4.2 ms (the 512 + 64 model), at 128 1.3 vs 1.6 ms / 7.1 vs 6.7
+# ms. So a 128-token prefill of the bundled model takes it too.
+SMALL_MM_PAIRS_PER_EXPERT = {torch.float32: 32, torch.bfloat16: 64}
 
 
 class RoutedExperts(nn.Module):
