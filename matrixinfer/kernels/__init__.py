@@ -23,6 +23,7 @@ paths and says so once.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -48,6 +49,7 @@ _small_mm_dtypes: set[torch.dtype] = set()  # what small_mm was built for on thi
 FLOAT32_GEMM_ROWS = {"eager": 9, "compiled": 128}
 
 
+@functools.cache  # read at import for several constants: one read of /proc/cpuinfo per field
 def _cpuinfo(field: str) -> str:
     """The first value of `field` in /proc/cpuinfo ("" where it cannot be read)."""
     try:

@@ -49,12 +49,13 @@ class LinearMethodBase:
 # threads, no AMX: bfloat16 1.3-3.5x faster up to 8 rows, level at 16; float32 1.1-1.4x at one
 # row with AVX-512, 1.3-2.5x at 1-8 rows with AVX2.
 SMALL_MM_ROWS = {torch.bfloat16: 8, torch.float32: 8}
+_MKL_LEADS = AVX512 and INTEL  # float32 few-row GEMMs: MKL ahead of small_mm (below)
 # The dtypes for which it also runs inside a compiled step (bundled model, float32, median
 # engine step at batch 1). float32 on an Intel Xeon with AVX-512 does not: there inductor's graph
 # around MKL's GEMMs was faster (0.66 vs 0.72 ms). On AMD EPYCs the operator wins: 0.78-0.92 vs
 # 0.91-1.62 ms (Zen 4, AVX-512; 2.30-2.40 vs 2.62-3.27 ms at batch 8) and 1.06-1.48 vs 1.75-1.92
 # ms (Zen 3, AVX2).
-SMALL_MM_COMPILED = {torch.bfloat16} if AVX512 and INTEL else {torch.bfloat16, torch.float32}
+SMALL_MM_COMPILED = {torch.bfloat16} if _MKL_LEADS else {torch.bfloat16, torch.float32}
 # The logits projection (a linear with rows_repeat: one row per sequence, the count steady step
 # after step) runs small_mm up to 32 rows and, past that, keeps bfloat16 as a compiled graph does
 # (oneDNN reuses the shape's primitive; widening copied the whole weight to float32 every step).
@@ -62,7 +63,7 @@ SMALL_MM_COMPILED = {torch.bfloat16} if AVX512 and INTEL else {torch.bfloat16, t
 # oneDNN 307, widened 0.94-2.0 ms; float32 small_mm 499 us, MKL 634 (at 64 rows 973 vs 1141, and
 # bfloat16 oneDNN 471 vs small_mm 545). float32 on Intel with AVX-512 keeps SMALL_MM_ROWS, as MKL
 # led there.
-SMALL_MM_REPEATED_ROWS = {torch.bfloat16: 32, torch.float32: 8 if AVX512 and INTEL else 32}
+SMALL_MM_REPEATED_ROWS = {torch.bfloat16: 32, torch.float32: 8 if _MKL_LEADS else 32}
 
 
 class UnquantizedLinearMethod(LinearMethodBase):
@@ -73,12 +74,11 @@ class UnquantizedLinearMethod(LinearMethodBase):
 
     def apply(self, layer, x):
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        repeat = getattr(layer, "rows_repeat", False)
-        limit = (SMALL_MM_REPEATED_ROWS if repeat else SMALL_MM_ROWS).get(x.dtype, 0)
+        limit = (SMALL_MM_REPEATED_ROWS if layer.rows_repeat else SMALL_MM_ROWS).get(x.dtype, 0)
         if (0 < rows <= limit and small_mm_serves(x.dtype, x.device)
                 and (x.dtype in SMALL_MM_COMPILED or not torch.compiler.is_compiling())):
             return small_mm(x.reshape(rows, x.shape[-1]), layer.weight[None]).view(*x.shape[:-1], -1)
-        ct = gemm_dtype(x.dtype, x.device, rows, fixed_shape=repeat)
+        ct = gemm_dtype(x.dtype, x.device, rows, fixed_shape=layer.rows_repeat)
         return F.linear(x.to(ct), layer.weight.to(ct)).to(x.dtype)
 
 
