@@ -71,11 +71,11 @@ AVX512 = "avx512f" in cpu_flags()  # else the operators run 8-lane AVX2 code (or
 # torch's x86 wheels multiply float32 with MKL, Intel's BLAS, which at a decode step's few rows
 # ran ahead of small_mm on an Intel Xeon and behind it on AMD EPYCs (layers/quantization.py)
 INTEL = _cpuinfo("vendor_id") == "GenuineIntel"
-_AMX_BF16 = "amx_bf16" in cpu_flags()
+AMX_BF16 = "amx_bf16" in cpu_flags()
 # bfloat16 dot-product instructions (AMX-BF16 or AVX512-BF16). Without them oneDNN takes no
 # bfloat16 GEMM and ATen's reference loop runs it: 0.9 GFLOP/s against MKL's float32 82 on an
 # AVX2 EPYC (2 threads, 512 x 1024 x 1024), a batched matmul 49x slower, an einsum 89x.
-_BF16_DOT = _AMX_BF16 or "avx512_bf16" in cpu_flags()
+_BF16_DOT = AMX_BF16 or "avx512_bf16" in cpu_flags()
 
 
 def float32_gemm(dtype: torch.dtype, device: torch.device, rows: int | None = None, fixed_shape: bool = False) -> bool:
@@ -86,7 +86,7 @@ def float32_gemm(dtype: torch.dtype, device: torch.device, rows: int | None = No
     for linears and the grouped expert GEMM (rows None: another product, kept in bfloat16
     there); never with AMX-BF16. Every product of two bfloat16 numbers is exact in float32
     and both GEMMs accumulate in float32, so only the order of the additions differs."""
-    if dtype != torch.bfloat16 or device.type != "cpu" or _AMX_BF16:
+    if dtype != torch.bfloat16 or device.type != "cpu" or AMX_BF16:
         return False
     if not _BF16_DOT:
         return True
@@ -103,7 +103,7 @@ def gemm_dtype(dtype: torch.dtype, device: torch.device, rows: int | None = None
 
 def bfloat16_gemm_policy() -> str:
     """How bfloat16 GEMMs run on this CPU (float32_gemm), in words for logs and reports."""
-    if _AMX_BF16:
+    if AMX_BF16:
         return "in bfloat16 (AMX-BF16)"
     if not _BF16_DOT:
         return "in float32 (no bfloat16 dot products on this CPU)"

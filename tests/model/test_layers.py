@@ -215,7 +215,7 @@ def test_bfloat16_products_multiply_in_float32_by_cpu(monkeypatch, cpu):
     import matrixinfer.kernels as kernels
 
     amx = cpu == "amx"
-    monkeypatch.setattr(kernels, "_AMX_BF16", amx)
+    monkeypatch.setattr(kernels, "AMX_BF16", amx)
     monkeypatch.setattr(kernels, "_BF16_DOT", cpu != "no_bf16")
     eager, compiled = kernels.FLOAT32_GEMM_ROWS["eager"], kernels.FLOAT32_GEMM_ROWS["compiled"]
     assert kernels.gemm_dtype(torch.bfloat16, torch.device("cpu")) == (torch.float32 if cpu == "no_bf16"

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from matrixinfer.kernels import AVX512, INTEL, gemm_dtype, grouped_mm, small_mm, small_mm_serves
+from matrixinfer.kernels import AMX_BF16, AVX512, INTEL, gemm_dtype, grouped_mm, small_mm, small_mm_serves
 
 WeightLoader = Callable[..., None]
 
@@ -46,9 +46,12 @@ class LinearMethodBase:
 
 # Up to how many rows a dense linear runs the few-rows operator (kernels.small_mm) instead of
 # F.linear, per dtype. Measured per projection of the bundled and the 512 + 64 models, 2
-# threads, no AMX: bfloat16 1.3-3.5x faster up to 8 rows, level at 16; float32 1.1-1.4x at one
-# row with AVX-512, 1.3-2.5x at 1-8 rows with AVX2.
-SMALL_MM_ROWS = {torch.bfloat16: 8, torch.float32: 8}
+# threads: float32 1.1-1.4x faster at one row with AVX-512, 1.3-2.5x at 1-8 rows with AVX2.
+# bfloat16 without AMX (AMD EPYC Zen 4, AVX512-BF16; the operator's summed-tree reductions):
+# the projections together 2.3-2.6x oneDNN's bfloat16 GEMM at 8 rows, 1.7-1.8x at 16, 1.2-1.4x
+# at 32, level at 64; the engine's step at 32 sequences 5.2-5.6 -> 4.2-4.3 ms (35 operator calls
+# a step instead of 15). With AMX, oneDNN's tiles take over from 9 rows as before.
+SMALL_MM_ROWS = {torch.bfloat16: 8 if AMX_BF16 else 32, torch.float32: 8}
 _MKL_LEADS = AVX512 and INTEL  # float32 few-row GEMMs: MKL ahead of small_mm (below)
 # The dtypes for which it also runs inside a compiled step (bundled model, float32, median
 # engine step at batch 1). float32 on an Intel Xeon with AVX-512 does not: there inductor's graph
