@@ -125,9 +125,11 @@ class MatrixinferRun(NamedTuple):
     decode_step_s: float  # median step while every request decodes
     top_ops: list
     tokens: list[list[int]]  # each request's output token ids
+    tpot_s: tuple[float, ...] = ()  # per request, (last token - first token) / (tokens - 1), when asked
 
 
-def run_matrixinfer(model_dir, dtype, prompts, output_len, profile: bool, enforce_eager: bool = False) -> MatrixinferRun:
+def run_matrixinfer(model_dir, dtype, prompts, output_len, profile: bool, enforce_eager: bool = False,
+                    per_request_tpot: bool = False) -> MatrixinferRun:
     from matrixinfer import LLM, SamplingParams
     from matrixinfer.engine.sampling_params import RequestOutputKind
 
@@ -141,6 +143,7 @@ def run_matrixinfer(model_dir, dtype, prompts, output_len, profile: bool, enforc
     for i, p in enumerate(prompts):
         engine.add_request(f"bench-{i}", {"prompt_token_ids": p}, params)
     decode_times, top_ops, tokens = [], [], {}
+    first, last = {}, {}  # per_request_tpot: when each request's first and last tokens came out
     start = time.perf_counter()
     desc = "matrixinfer eager" if enforce_eager else "matrixinfer"
     with tqdm(total=output_len, desc=desc, unit="step") as bar:  # about one step per output token
@@ -152,13 +155,19 @@ def run_matrixinfer(model_dir, dtype, prompts, output_len, profile: bool, enforc
             if all_decode and running == len(prompts):
                 decode_times.append(time.perf_counter() - t)
             bar.update(1)
+            if per_request_tpot:  # as a streaming client times them, outside the timed step
+                now = time.perf_counter()
+                first.update((r.request_id, now) for r in engine.scheduler.running
+                             if r.output_token_ids and r.request_id not in first)
+                last.update((o.request_id, now) for o in outs)
             for o in outs:
                 tokens[o.request_id] = list(o.outputs[0].token_ids)
     elapsed = time.perf_counter() - start
     if profile:
         top_ops = profile_decode(llm, prompts, output_len)
     step = _median(decode_times) if decode_times else float("nan")
-    return MatrixinferRun(llm, elapsed, step, top_ops, [tokens[f"bench-{i}"] for i in range(len(prompts))])
+    tpot = [(last[r] - first[r]) / (output_len - 1) for r in last if r in first] if output_len > 1 else []
+    return MatrixinferRun(llm, elapsed, step, top_ops, [tokens[f"bench-{i}"] for i in range(len(prompts))], tuple(tpot))
 
 
 def profile_decode(llm, prompts, output_len, steps: int = 10) -> list:

@@ -29,3 +29,19 @@ def test_cpu_table_lists_each_server_and_rate():
     table = _cpu_table([("matrixinfer", rows), ("vLLM 0", [{"offered_rate": 2.0, "duration_s": 9.0}])])
     assert table.splitlines()[2] == "| matrixinfer | all at once | 1.5 | engine-core 2.10, load generator 0.40, python 0.30 |"
     assert len(table.splitlines()) == 3  # a run without accounting adds no row
+
+
+def test_offline_reference_times_each_request_as_a_client_does():
+    """The offline reference's per-request TPOT spans a request's first to last token (as a
+    served TPOT does, so steps that prefill other requests would count): one value per
+    request, about the decode step when all prefill together, and no longer than the run."""
+    from matrixinfer.bench.engine_bench import run_matrixinfer
+    from matrixinfer.config import DEFAULT_MODEL
+
+    n = 6
+    run = run_matrixinfer(DEFAULT_MODEL, "float32", [list(range(10, 26)), list(range(30, 46))], n, False,
+                          enforce_eager=True, per_request_tpot=True)
+    run.llm.shutdown()
+    assert len(run.tpot_s) == 2
+    for tpot in run.tpot_s:
+        assert 0.5 * run.decode_step_s <= tpot and tpot * (n - 1) <= run.seconds
