@@ -514,16 +514,19 @@ def _write_section(section: str, name: str, report: dict, plot: Path) -> None:
         off = rep.get("offline")
         if off:
             flat = [r for r in rep["results"] if r["offered_rate"] == float("inf") and r["tpot_p50_s"]]
-            served = 1e3 * flat[0]["tpot_p50_s"] if flat else None
-            vs = (f" Served all at once (offered rate inf), TPOT p50 is {served:.2f} ms: "
-                  f"**{served / off['decode_step_ms']:.2f}x** the offline step" if flat else "")
-            if flat and off.get("tpot_p50_ms"):  # the same formula offline: the others' prefill steps included
-                vs += (f" and **{served / off['tpot_p50_ms']:.2f}x** the offline TPOT p50 "
-                       f"({off['tpot_p50_ms']:.2f} ms, timed per request as a client times it, so the steps "
-                       "that prefill the other requests count on both sides)")
+            vs = ""
+            if flat:
+                served = 1e3 * flat[0]["tpot_p50_s"]
+                vs = (f" Served all at once (offered rate inf), TPOT p50 is {served:.2f} ms: "
+                      f"**{served / off['decode_step_ms']:.2f}x** the offline step")
+                if off.get("tpot_p50_ms"):  # the same formula offline: the others' prefill steps included
+                    vs += (f" and **{served / off['tpot_p50_ms']:.2f}x** the offline TPOT p50 "
+                           f"({off['tpot_p50_ms']:.2f} ms, timed per request as a client times it, so the steps "
+                           "that prefill the other requests count on both sides)")
+                vs += "."
             md += ["", f"The same engine offline (`--offline-reference`: `LLM` on {off['batch']} requests of the same "
                        f"lengths, all at once): decode step {off['decode_step_ms']:.2f} ms, "
-                       f"{off['output_tok_s']:.0f} output tok/s.{vs + '.' if vs else ''}"]
+                       f"{off['output_tok_s']:.0f} output tok/s.{vs}"]
         for peer in rep.get("peers", []):
             md += ["", f"Against {peer['engine']}'s OpenAI server ({peer['dtype']}), driven after ours by the same "
                        "load generator with the same requests at the same times; ratios are ours over theirs "

@@ -445,8 +445,8 @@ void rows_times(const T* const* x, const T* w, int64_t K, int64_t n0, int64_t n1
       dot_tile<R, G>(x, w + n * K, K, acc);
 #if defined(__AVX512BF16__)
       // bfloat16's dot products take half float32's instructions (32 pairs each), so the 16
-      // reductions weigh more: summed as one tree, 1.03-1.30x faster at 1-32 rows on the bundled
-      // and 512 + 64 shapes (AMD EPYC Zen 4); float32 kept them (0.93-1.07x)
+      // reductions weigh more: summed as one tree, 1.03-1.31x faster at 1-32 rows on the bundled
+      // model's shapes (AMD EPYC Zen 4, two runs); float32 kept them (0.93-1.07x)
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
         float sums[Simd::kAcc];  // the R x G accumulators, row-major
         Simd::sum_all(&acc[0][0], sums);
