@@ -8,9 +8,11 @@ cpu_ops.cpp:
   (ATen's _grouped_mm, which torch.compile otherwise traces for bfloat16 only).
 - argmax_rows: greedy sampling's argmax over float32 logits rows, vectorised (the reference:
   torch.argmax, first index on ties).
-- float32_gemm: whether a bfloat16 product runs faster widened to float32: of many rows on CPUs
-  with AVX512-BF16 but no AMX (oneDNN's bfloat16 GEMM reaches about 0.6x MKL's float32 one),
-  of any size on CPUs with no bfloat16 dot products at all (AVX2: ATen's reference loop, ~1%).
+- float32_gemm: whether a bfloat16 product runs faster widened to float32: of many rows on Intel
+  CPUs with AVX512-BF16 but no AMX (oneDNN's bfloat16 GEMM reaches about 0.6x MKL's float32
+  one; on AMD's it runs 2.2-3.3x ahead, NATIVE_BF16_GEMM), of any size on CPUs with no
+  bfloat16 dot products at all (AVX2: ATen's reference loop, ~1%). bfloat16_linear pads an
+  eager GEMM's rows to a few counts (gemm_rows) so that oneDNN reuses its primitives.
 - small_mm: the few rows of a decode step times their experts' (or one linear's) weights,
   the rows bucketed by expert inside, AVX-512 / AVX512-BF16 dot products (the reference:
   F.linear per row); built for the dtypes this CPU has instructions for, probed at load.
@@ -30,6 +32,7 @@ import shutil
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
@@ -76,20 +79,30 @@ AMX_BF16 = "amx_bf16" in cpu_flags()
 # bfloat16 GEMM and ATen's reference loop runs it: 0.9 GFLOP/s against MKL's float32 82 on an
 # AVX2 EPYC (2 threads, 512 x 1024 x 1024), a batched matmul 49x slower, an einsum 89x.
 _BF16_DOT = AMX_BF16 or "avx512_bf16" in cpu_flags()
+# Whether bfloat16 GEMMs of many rows stay bfloat16 (oneDNN) rather than widen to float32 (MKL).
+# With AVX512-BF16 and no AMX it depends on the vendor: on an Intel Xeon oneDNN's bfloat16 GEMM
+# reached about 0.6x MKL's float32 one, so there products widen from FLOAT32_GEMM_ROWS rows; on
+# an AMD EPYC (Zen 4, 2 threads) it ran 2.2-3.3x ahead of float32 with the weight widened per
+# call at 64-1024 rows, once the shape's primitive was built (0.3-0.6 ms the first time a row
+# count is met: eager products pad their rows to gemm_rows so that few row counts ever occur).
+NATIVE_BF16_GEMM = AMX_BF16 or (_BF16_DOT and not INTEL)
 
 
 def float32_gemm(dtype: torch.dtype, device: torch.device, rows: int | None = None, fixed_shape: bool = False) -> bool:
     """Run a bfloat16 product of `rows` rows per matrix in float32 (inputs widened, the result
     rounded back once) on the CPU: always where it has no bfloat16 dot products (_BF16_DOT);
-    with AVX512-BF16 but no AMX from FLOAT32_GEMM_ROWS rows (eager calls, or a graph being
-    compiled, or fixed_shape: a product whose shape repeats call to call), which were measured
-    for linears and the grouped expert GEMM (rows None: another product, kept in bfloat16
-    there); never with AMX-BF16. Every product of two bfloat16 numbers is exact in float32
+    where bfloat16 GEMMs do not stay native (NATIVE_BF16_GEMM: Intel with AVX512-BF16 but no
+    AMX) from FLOAT32_GEMM_ROWS rows (eager calls, or a graph being compiled, or fixed_shape: a
+    product whose shape repeats call to call), which were measured for linears and the grouped
+    expert GEMM (rows None: another product, kept in bfloat16 there); never with AMX-BF16 or
+    on AMD CPUs with AVX512-BF16. Every product of two bfloat16 numbers is exact in float32
     and both GEMMs accumulate in float32, so only the order of the additions differs."""
-    if dtype != torch.bfloat16 or device.type != "cpu" or AMX_BF16:
+    if dtype != torch.bfloat16 or device.type != "cpu":
         return False
     if not _BF16_DOT:
         return True
+    if NATIVE_BF16_GEMM:
+        return False
     fixed = fixed_shape or torch.compiler.is_compiling()
     return rows is not None and rows >= FLOAT32_GEMM_ROWS["compiled" if fixed else "eager"]
 
@@ -101,12 +114,35 @@ def gemm_dtype(dtype: torch.dtype, device: torch.device, rows: int | None = None
     return torch.float32 if float32_gemm(dtype, device, rows, fixed_shape) else dtype
 
 
+def gemm_rows(rows: int) -> int:
+    """The row count an eager bfloat16 GEMM of `rows` rows runs at on the CPU: rows padded up
+    to a multiple of 16, or of 1/8 of the largest power of two below it (at most 1/8 more rows
+    from 128 up), so oneDNN reuses the primitive it built for that count instead of building
+    one per prompt length."""
+    step = max(16, 1 << max(0, rows.bit_length() - 4))
+    return -(-rows // step) * step
+
+
+def bfloat16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """F.linear of bfloat16 x [..., K] and w [N, K] on the CPU, outside compiled graphs, with
+    x's rows padded to gemm_rows (the padding rows' outputs dropped; each output row depends
+    on its own input row alone)."""
+    rows = x.numel() // x.shape[-1]
+    padded = gemm_rows(rows)
+    if padded == rows:
+        return F.linear(x, w)
+    x2 = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, padded - rows))
+    return F.linear(x2, w)[:rows].view(*x.shape[:-1], w.shape[0])
+
+
 def bfloat16_gemm_policy() -> str:
     """How bfloat16 GEMMs run on this CPU (float32_gemm), in words for logs and reports."""
     if AMX_BF16:
         return "in bfloat16 (AMX-BF16)"
     if not _BF16_DOT:
         return "in float32 (no bfloat16 dot products on this CPU)"
+    if NATIVE_BF16_GEMM:
+        return "in bfloat16 (AVX512-BF16, not Intel), eager rows padded to gemm_rows"
     return "in float32 from {eager} rows eager, {compiled} compiled (AVX512-BF16, no AMX)".format(**FLOAT32_GEMM_ROWS)
 
 

@@ -205,18 +205,35 @@ def test_the_expert_paths_agree(subset):
     assert RoutedExperts(n_exp, h, 6).path(14, 2, cpu) == "all"  # 24-byte rows: not for the operator
 
 
-@pytest.mark.parametrize("cpu", ["avx512_bf16", "amx", "no_bf16"])
+def test_gemm_rows_pads_to_few_row_counts():
+    """kernels.gemm_rows, the row count an eager bfloat16 GEMM pads to so that oneDNN reuses
+    its primitives: never fewer rows, at most 1/8 more from 128 rows (15 below), monotonic,
+    and few distinct counts for every prompt length up to 8,192 tokens (one primitive per
+    count and weight shape, against oneDNN's cache of 1,024)."""
+    from matrixinfer.kernels import gemm_rows
+
+    padded = [gemm_rows(r) for r in range(1, 8193)]
+    for r, p in enumerate(padded, start=1):
+        assert p >= r and p - r <= max(15, r // 8) and p % 16 == 0
+        assert gemm_rows(p) == p  # a padded count stays as it is
+    assert padded == sorted(padded) and len(set(padded)) <= 70
+
+
+@pytest.mark.parametrize("cpu", ["avx512_bf16_intel", "avx512_bf16_amd", "amx", "no_bf16"])
 def test_bfloat16_products_multiply_in_float32_by_cpu(monkeypatch, cpu):
     """A bfloat16 linear or grouped expert GEMM runs in float32 (the result rounded once): from
-    FLOAT32_GEMM_ROWS rows on a CPU with AVX512-BF16 but no AMX (a graph being compiled, with
-    fixed shapes, from more rows), at every size on a CPU with no bfloat16 dot products, and
-    never with AMX-BF16; both agree within bfloat16 rounding. The other products (rows None)
-    widen only without bfloat16 dot products."""
+    FLOAT32_GEMM_ROWS rows on an Intel CPU with AVX512-BF16 but no AMX (a graph being compiled,
+    with fixed shapes, from more rows), at every size on a CPU with no bfloat16 dot products,
+    and never with AMX-BF16 or on an AMD CPU with AVX512-BF16 (NATIVE_BF16_GEMM), where eager
+    calls pad their rows to gemm_rows and keep the unpadded rows' results; both agree within
+    bfloat16 rounding. The other products (rows None) widen only without bfloat16 dot products."""
     import matrixinfer.kernels as kernels
 
     amx = cpu == "amx"
+    native = amx or cpu == "avx512_bf16_amd"  # bfloat16 GEMMs stay bfloat16 at every size
     monkeypatch.setattr(kernels, "AMX_BF16", amx)
     monkeypatch.setattr(kernels, "_BF16_DOT", cpu != "no_bf16")
+    monkeypatch.setattr(kernels, "NATIVE_BF16_GEMM", native)
     eager, compiled = kernels.FLOAT32_GEMM_ROWS["eager"], kernels.FLOAT32_GEMM_ROWS["compiled"]
     assert kernels.gemm_dtype(torch.bfloat16, torch.device("cpu")) == (torch.float32 if cpu == "no_bf16"
                                                                        else torch.bfloat16)
@@ -224,17 +241,20 @@ def test_bfloat16_products_multiply_in_float32_by_cpu(monkeypatch, cpu):
     layer = ColumnParallelLinear(64, 96, params_dtype=torch.bfloat16)
     w = torch.randn(96, 64, generator=G).bfloat16()
     load(layer, w)
-    x = torch.randn(compiled, 64, generator=G).bfloat16()
+    x = torch.randn(compiled + 1, 64, generator=G).bfloat16()
     with torch.no_grad():
-        for rows, compiling in ((1, False), (eager, False), (compiled, False), (compiled, True), (compiled - 1, True)):
+        for rows, compiling in ((1, False), (eager, False), (compiled, False), (compiled, True), (compiled - 1, True),
+                                (compiled + 1, False)):
             monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
-            widened, native = F.linear(x[:rows].float(), w.float()).bfloat16(), F.linear(x[:rows], w)
+            widened, unpadded = F.linear(x[:rows].float(), w.float()).bfloat16(), F.linear(x[:rows], w)
+            padded = F.linear(F.pad(x[:rows], (0, 0, 0, kernels.gemm_rows(rows) - rows)), w)[:rows]
             out = layer(x[:rows])
-            assert out.dtype == torch.bfloat16
-            narrow = amx or (cpu == "avx512_bf16" and rows < (compiled if compiling else eager))
+            assert out.dtype == torch.bfloat16 and out.shape == (rows, 96)
+            narrow = native or (cpu == "avx512_bf16_intel" and rows < (compiled if compiling else eager))
             if rows > 1 or not small_mm_serves(torch.bfloat16, torch.device("cpu")):  # one row: the operator
-                assert torch.equal(out, native if narrow else widened)
-            assert torch.allclose(widened.float(), native.float(), rtol=1e-2, atol=1e-2)
+                assert torch.equal(out, (unpadded if compiling else padded) if narrow else widened)
+            assert torch.allclose(widened.float(), unpadded.float(), rtol=1e-2, atol=1e-2)
+            assert torch.allclose(padded.float(), unpadded.float(), rtol=1e-2, atol=1e-2)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
     # the logits' linear (rows_repeat: the same row count step after step) has fixed shapes in
     # eager calls too: past small_mm's rows it keeps bfloat16 below the compiled threshold
@@ -242,8 +262,8 @@ def test_bfloat16_products_multiply_in_float32_by_cpu(monkeypatch, cpu):
     with torch.no_grad():
         rows = SMALL_MM_REPEATED_ROWS[torch.bfloat16] + 1
         assert eager < rows < compiled
-        native, widened = F.linear(x[:rows], w), F.linear(x[:rows].float(), w.float()).bfloat16()
-        assert torch.equal(head(x[:rows]), widened if cpu == "no_bf16" else native)
+        unpadded, widened = F.linear(x[:rows], w), F.linear(x[:rows].float(), w.float()).bfloat16()
+        assert torch.equal(head(x[:rows]), widened if cpu == "no_bf16" else unpadded)  # not padded: one shape
         if small_mm_serves(torch.bfloat16, torch.device("cpu")):  # up to its rows, the operator
             rows -= 1
             out = head(x[:rows]).float()
@@ -265,7 +285,7 @@ def test_bfloat16_products_multiply_in_float32_by_cpu(monkeypatch, cpu):
             ref.append(F.linear(F.silu(gate) * up, experts.w2_weight[e].float()))
         ref = torch.cat(ref)
         assert out.dtype == torch.bfloat16
-        if amx:  # bfloat16 throughout: the intermediate activations are rounded too
+        if native:  # bfloat16 throughout: the intermediate activations are rounded too
             assert (out.float() - ref).norm() / ref.norm() < 1e-2
         else:  # float32 throughout, rounded once at the end
             assert torch.allclose(out.float(), ref, rtol=8e-3, atol=1e-3)

@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from matrixinfer.kernels import AMX_BF16, AVX512, INTEL, gemm_dtype, grouped_mm, small_mm, small_mm_serves
+from matrixinfer.kernels import (AMX_BF16, AVX512, INTEL, bfloat16_linear, gemm_dtype, gemm_rows, grouped_mm, small_mm,
+                                 small_mm_serves)
 
 WeightLoader = Callable[..., None]
 
@@ -82,7 +83,15 @@ class UnquantizedLinearMethod(LinearMethodBase):
                 and (x.dtype in SMALL_MM_COMPILED or not torch.compiler.is_compiling())):
             return small_mm(x.reshape(rows, x.shape[-1]), layer.weight[None]).view(*x.shape[:-1], -1)
         ct = gemm_dtype(x.dtype, x.device, rows, fixed_shape=layer.rows_repeat)
+        if _pads_rows(ct, x.device) and not layer.rows_repeat:
+            return bfloat16_linear(x, layer.weight)
         return F.linear(x.to(ct), layer.weight.to(ct)).to(x.dtype)
+
+
+def _pads_rows(ct: torch.dtype, device: torch.device) -> bool:
+    """A product multiplying in `ct` on `device` is an eager bfloat16 GEMM on the CPU, whose row
+    count varies call to call (prefill chunks, mixed steps): kernels.bfloat16_linear pads it."""
+    return ct == torch.bfloat16 and device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 class ExpertsMethodBase:
@@ -182,13 +191,15 @@ class UnquantizedExpertsMethod(ExpertsMethodBase):
             for e, chunk in enumerate(xs.split(counts.tolist())):
                 if chunk.numel():
                     ct = gemm_dtype(chunk.dtype, chunk.device, chunk.shape[0])
-                    gate, up = F.linear(chunk.to(ct), w13[e].to(ct)).chunk(2, dim=-1)
-                    ys.append(F.linear(F.silu(gate) * up, w2[e].to(ct)).to(xs.dtype))
+                    linear = bfloat16_linear if _pads_rows(ct, chunk.device) else F.linear
+                    gate, up = linear(chunk.to(ct), w13[e].to(ct)).chunk(2, dim=-1)
+                    ys.append(linear(F.silu(gate) * up, w2[e].to(ct)).to(xs.dtype))
             return torch.cat(ys) if ys else xs
         ct = gemm_dtype(xs.dtype, xs.device)
         offsets = torch.cumsum(counts, 0) - counts
         pos = torch.arange(xs.shape[0], device=xs.device) - offsets[local]
-        padded = xs.new_zeros(n_exp, max_count, xs.shape[-1])
+        rows = gemm_rows(max_count) if _pads_rows(ct, xs.device) else max_count
+        padded = xs.new_zeros(n_exp, rows, xs.shape[-1])
         padded[local, pos] = xs
         gate, up = torch.bmm(padded.to(ct), w13.to(ct).transpose(1, 2)).chunk(2, dim=-1)
         out = torch.bmm(F.silu(gate) * up, w2.to(ct).transpose(1, 2))
