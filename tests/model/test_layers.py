@@ -289,3 +289,49 @@ def test_bfloat16_products_multiply_in_float32_by_cpu(monkeypatch, cpu):
             assert (out.float() - ref).norm() / ref.norm() < 1e-2
         else:  # float32 throughout, rounded once at the end
             assert torch.allclose(out.float(), ref, rtol=8e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_interleaved_rope_eager_equals_the_strided_form_compiled_graphs_read(monkeypatch, dtype):
+    """RotaryEmbedding's eager path de-interleaves DeepSeek's rope pairs with one copy before
+    rotating; inside a compiled graph it reads the stride-2 views. Both give the same numbers
+    (bit for bit: the same products and sums), on the query's strided slice of q as served."""
+    from matrixinfer.config import RopeConfig
+    from matrixinfer.model.layers.rotary import RotaryEmbedding
+
+    rope = RotaryEmbedding(RopeConfig(interleave=True), 64)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(37, 8, 128, generator=g).to(dtype)[..., 64:]  # q_pe: a strided view of q
+    cos, sin = rope.cos_sin(torch.randint(0, 4000, (37,), generator=g), dtype)
+    eager = rope(q, cos, sin)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    strided = rope(q, cos, sin)
+    x1, x2 = q.float()[..., 0::2], q.float()[..., 1::2]
+    c, s = cos.float()[:, None], sin.float()[:, None]
+    assert torch.equal(eager, strided) and eager.shape == q.shape
+    assert torch.allclose(eager.float(), torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1), rtol=2e-2, atol=2e-2)
+
+
+def test_grouped_experts_pad_each_group_to_gemm_rows():
+    """Eager bfloat16 grouped expert GEMMs on the CPU pad every expert's group to gemm_rows
+    (uneven groups, an empty one included) and return exactly the rows of the unpadded
+    grouped matmul; _pad_groups places each row after its group's padded start."""
+    from matrixinfer.kernels import gemm_rows
+    from matrixinfer.model.layers.quantization import _grouped_swiglu, _pad_groups
+
+    if not load_cpu_ops():
+        pytest.skip("no C++ compiler to build the grouped matmul operator")
+    counts = [37, 0, 130, 5]
+    offs = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32)
+    xs = torch.randn(sum(counts), 64, generator=G).bfloat16()
+    padded, place, padded_offs = _pad_groups(xs, offs)
+    assert padded_offs.tolist() == [48, 48, 48 + gemm_rows(130), 48 + gemm_rows(130) + 16]
+    assert torch.equal(padded[place], xs) and padded.shape[0] == padded_offs[-1]
+    assert place[:37].tolist() == list(range(37)) and place[37] == 48  # the third group starts past 48 rows
+    experts = RoutedExperts(4, 64, 32, params_dtype=torch.bfloat16)
+    with torch.no_grad():
+        experts.w13_weight.normal_(generator=G)
+        experts.w2_weight.normal_(generator=G)
+        out = experts.quant_method.apply_grouped_mm(experts, xs, offs)
+        ref = _grouped_swiglu(xs, experts.w13_weight, experts.w2_weight, offs)
+    assert out.shape == ref.shape and torch.allclose(out.float(), ref.float(), rtol=1e-2, atol=1e-2)

@@ -12,6 +12,7 @@ per-channel scale with `output_dim` 0, an int8 matmul in `apply`) is one new
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Callable
 
 import torch
@@ -149,6 +150,11 @@ class UnquantizedExpertsMethod(ExpertsMethodBase):
     def apply_grouped_mm(self, layer, xs, offs):
         w13, w2 = layer.w13_weight, layer.w2_weight
         ct = gemm_dtype(xs.dtype, xs.device, xs.shape[0] // w13.shape[0])  # rows per expert, on average
+        if _pads_rows(ct, xs.device) and xs.shape[0]:
+            # ATen's grouped matmul runs one GEMM per expert: pad each group to gemm_rows, so
+            # that oneDNN meets few row counts instead of new ones at every prefill
+            padded, place, offs = _pad_groups(xs, offs)
+            return _grouped_swiglu(padded, w13, w2, offs)[place]
         return _grouped_swiglu(xs.to(ct), w13.to(ct), w2.to(ct), offs).to(xs.dtype)
 
     def small_mm_serves(self, layer, dtype, device):
@@ -204,6 +210,21 @@ class UnquantizedExpertsMethod(ExpertsMethodBase):
         gate, up = torch.bmm(padded.to(ct), w13.to(ct).transpose(1, 2)).chunk(2, dim=-1)
         out = torch.bmm(F.silu(gate) * up, w2.to(ct).transpose(1, 2))
         return out[local, pos].to(xs.dtype)
+
+
+def _pad_groups(xs: torch.Tensor, offs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows grouped by expert (offs: each group's end) -> the rows with every group followed by
+    zero rows up to gemm_rows, each row's place among them, and the padded groups' ends. Reads
+    offs on the host (eager calls only)."""
+    ends = offs.tolist()
+    counts = [end - start for start, end in zip([0, *ends[:-1]], ends)]
+    padded_ends = list(itertools.accumulate(gemm_rows(c) if c else 0 for c in counts))
+    shift = [p - e for p, e in zip([0, *padded_ends[:-1]], [0, *ends[:-1]])]  # each group's start moves by
+    place = torch.arange(xs.shape[0], device=xs.device) + torch.repeat_interleave(
+        torch.tensor(shift, device=xs.device), torch.tensor(counts, device=xs.device))
+    padded = xs.new_zeros(padded_ends[-1], xs.shape[1])
+    padded[place] = xs
+    return padded, place, torch.tensor(padded_ends, dtype=offs.dtype, device=offs.device)
 
 
 def _grouped_swiglu(xs: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
