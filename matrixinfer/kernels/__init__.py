@@ -14,7 +14,8 @@ cpu_ops.cpp:
   bfloat16 dot products at all (AVX2: ATen's reference loop, ~1%). bfloat16_linear pads an
   eager GEMM's rows to a few counts (gemm_rows) so that oneDNN reuses its primitives.
 - small_mm: the few rows of a decode step times their experts' (or one linear's) weights,
-  the rows bucketed by expert inside, AVX-512 / AVX512-BF16 dot products (the reference:
+  the rows bucketed by expert inside, AVX-512 / AVX512-BF16 multiply-adds into blocks of 16
+  outputs over a copy of the weights packed once after loading (pack_small_mm; the reference:
   F.linear per row); built for the dtypes this CPU has instructions for, probed at load.
 
 Built with torch.utils.cpp_extension on first use (a C++ compiler, as torch.compile itself
@@ -172,7 +173,7 @@ def load_cpu_ops() -> bool:
             torch.library.register_fake("matrixinfer::argmax_rows")(
                 lambda x: x.new_empty(x.shape[0], dtype=torch.long))
             torch.library.register_fake("matrixinfer::small_mm")(
-                lambda x, w, experts: x.new_empty(x.shape[0], w.shape[1]))
+                lambda x, w, experts: x.new_empty(x.shape[0], w.shape[1] * SMALL_MM_BLOCK))
             _probe_small_mm()
             ok = True
         except Exception as e:  # no compiler, or it failed: the PyTorch paths still serve
@@ -211,7 +212,8 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 def _probe_small_mm() -> None:
     for dtype in (torch.float32, torch.bfloat16):
         try:
-            torch.ops.matrixinfer.small_mm(torch.ones(1, 4, dtype=dtype), torch.ones(1, 1, 4, dtype=dtype), None)
+            w = torch.ones(1, SMALL_MM_BLOCK, 4, dtype=dtype)
+            torch.ops.matrixinfer.small_mm(torch.ones(1, 4, dtype=dtype), _pack(w), None)
             _small_mm_dtypes.add(dtype)
         except RuntimeError:  # "not built for": this CPU lacks the instructions
             pass
@@ -222,8 +224,28 @@ def small_mm_serves(dtype: torch.dtype, device: torch.device) -> bool:
     return dtype in _small_mm_dtypes and cpu_ops_serve(device)
 
 
+SMALL_MM_BLOCK = 16  # outputs per packed block
+
+
+def _pack(w: torch.Tensor) -> torch.Tensor:
+    e, n, k = w.shape
+    v = 2 if w.dtype == torch.bfloat16 else 1  # bfloat16 in pairs along K (one dot-product step)
+    return w.reshape(e, n // SMALL_MM_BLOCK, SMALL_MM_BLOCK, k // v, v).permute(0, 1, 3, 2, 4).contiguous()
+
+
+def pack_small_mm(w: torch.Tensor) -> torch.Tensor | None:
+    """w [E, N, K] or [N, K] (nn.Linear's layout) -> the copy small_mm multiplies by
+    ([E, N/16, K/V, 16, V], V = 2 for bfloat16, 1 for float32), or None where small_mm does not
+    serve: another dtype or device, no operators, N not a multiple of 16 or K of V."""
+    w3 = w if w.dim() == 3 else w[None]
+    v = 2 if w.dtype == torch.bfloat16 else 1
+    if not small_mm_serves(w.dtype, w.device) or w3.shape[1] % SMALL_MM_BLOCK or w3.shape[2] % v:
+        return None
+    return _pack(w3.detach())
+
+
 def small_mm(x: torch.Tensor, w: torch.Tensor, experts: torch.Tensor | None = None) -> torch.Tensor:
-    """x [P, K], w [E, N, K] (nn.Linear's layout per expert), experts [P] int64: each row's
-    matrix (None: w holds one, E = 1) -> [P, N], row p times w[experts[p]] transposed. For a
-    few rows; F.linear per row is the reference."""
-    return torch.ops.matrixinfer.small_mm(x, w, experts)
+    """x [P, K], w from pack_small_mm ([E, N, K] packed), experts [P] int64: each row's matrix
+    (None: w holds one, E = 1) -> [P, N], row p times w[experts[p]] transposed. For a few rows;
+    F.linear per row is the reference."""
+    return torch.ops.matrixinfer.small_mm.default(x, w, experts)

@@ -319,167 +319,143 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 
 // small_mm: y[p] = w[e(p)] @ x[p] for the few rows of a decode step, e(p) each row's expert
 // (none: w holds one matrix, a dense linear). The rows are bucketed by expert here, so the
-// caller neither sorts nor gathers; the weights are read where they lie ([E, N, K], nn.Linear's
-// layout), each weight row once per four rows of its expert, with the dot products along K in
-// float32 lanes (16 with AVX-512, 8 with AVX2), bfloat16 widened to float32 as it loads, or 32
-// bfloat16 pairs per AVX512-BF16 instruction (float32 accumulation). At a few rows a step reads
-// every weight once and does little arithmetic on it; the BLAS calls this replaces ran 2-4x above
-// that in bfloat16 on a CPU without AMX, and 50-90x where the CPU has no bfloat16 dot products
-// (AVX2: ATen's reference loop, or a float32 copy of the weights every call).
-// Reference: F.linear per row and expert (tests compare).
+// caller neither sorts nor gathers. The weights come packed once after loading
+// (kernels.pack_small_mm): per expert, blocks of 16 outputs, each block K steps of 16 outputs
+// side by side ([E, N/16, K/V, 16, V], V = 2 bfloat16 pairs or 1 float32). A step broadcasts one
+// input element (a bfloat16 pair) and multiplies it into 16 outputs at once, so the
+// accumulators hold outputs, not partial dot products: no horizontal sums at the end, and each
+// block's weights are one contiguous run read front to back, each weight once per four rows of
+// its expert. Against nn.Linear's layout read in place (dot products along K, summed across
+// lanes), 1.3-2.0x faster at 1 and 8 rows on the bundled model's shapes (AMD EPYC Zen 4, 1 and
+// 2 threads, weights streamed from L3), near the read bandwidth at one row.
+// bfloat16: 32 pairs per AVX512-BF16 dot-product instruction (float32 accumulation), or
+// widened to float32 where the CPU lacks it. Reference: F.linear per row and expert (tests).
 namespace {
 
 #if defined(__AVX512F__)
 #define MI_SMALL_MM 1
-struct Simd {  // 16 float32 lanes; 32 registers, 16 of them accumulators
+struct Simd {  // 16 float32 lanes: a block of 16 outputs is one register
   using reg = __m512;
-  static constexpr int W = 16, kAcc = 16;
+  static constexpr int W = 16;
   static reg zero() { return _mm512_setzero_ps(); }
+  static reg set1(float v) { return _mm512_set1_ps(v); }
   static reg load(const float* p) { return _mm512_loadu_ps(p); }
-  static reg load(const c10::BFloat16* p) {  // bfloat16 is the top half of a float32
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-  }
+  static void store(float* p, reg v) { _mm512_storeu_ps(p, v); }
   static reg fma(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
-  static float sum(reg a) { return _mm512_reduce_add_ps(a); }
-  // out[i] = the sum of v[i]'s lanes for all 16 accumulators at once: a transpose-and-add tree
-  // (45 shuffles and adds, where 16 separate reductions take about 130)
-  static void sum_all(const reg* v, float* out) {
-    reg q[4];
-    for (int j = 0; j < 4; ++j) {  // q[j], 128-bit lane L: the lane-L sums of v[4j .. 4j + 3]
-      const reg* u = v + 4 * j;
-      const reg p01 = _mm512_add_ps(_mm512_unpacklo_ps(u[0], u[1]), _mm512_unpackhi_ps(u[0], u[1]));
-      const reg p23 = _mm512_add_ps(_mm512_unpacklo_ps(u[2], u[3]), _mm512_unpackhi_ps(u[2], u[3]));
-      q[j] = _mm512_add_ps(_mm512_shuffle_ps(p01, p23, _MM_SHUFFLE(1, 0, 1, 0)),
-                           _mm512_shuffle_ps(p01, p23, _MM_SHUFFLE(3, 2, 3, 2)));
-    }
-    const reg f01 = _mm512_add_ps(_mm512_shuffle_f32x4(q[0], q[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                  _mm512_shuffle_f32x4(q[0], q[1], _MM_SHUFFLE(3, 2, 3, 2)));
-    const reg f23 = _mm512_add_ps(_mm512_shuffle_f32x4(q[2], q[3], _MM_SHUFFLE(1, 0, 1, 0)),
-                                  _mm512_shuffle_f32x4(q[2], q[3], _MM_SHUFFLE(3, 2, 3, 2)));
-    _mm512_storeu_ps(out, _mm512_add_ps(_mm512_shuffle_f32x4(f01, f23, _MM_SHUFFLE(2, 0, 2, 0)),
-                                        _mm512_shuffle_f32x4(f01, f23, _MM_SHUFFLE(3, 1, 3, 1))));
+  // W bfloat16 pairs (2W values) -> the first and the second of each pair as float32
+  static void widen_pairs(const c10::BFloat16* p, reg& first, reg& second) {
+    const __m512i v = _mm512_loadu_si512(p);
+    first = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    second = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
   }
 };
 #elif defined(__AVX2__) && defined(__FMA__)
 #define MI_SMALL_MM 1
-struct Simd {  // 8 float32 lanes; 16 registers, 8 of them accumulators
+struct Simd {  // 8 float32 lanes: a block of 16 outputs is two registers
   using reg = __m256;
-  static constexpr int W = 8, kAcc = 8;
+  static constexpr int W = 8;
   static reg zero() { return _mm256_setzero_ps(); }
+  static reg set1(float v) { return _mm256_set1_ps(v); }
   static reg load(const float* p) { return _mm256_loadu_ps(p); }
-  static reg load(const c10::BFloat16* p) {
-    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-  }
+  static void store(float* p, reg v) { _mm256_storeu_ps(p, v); }
   static reg fma(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
-  static float sum(reg a) {
-    __m128 v = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    v = _mm_hadd_ps(v, v);
-    return _mm_cvtss_f32(_mm_hadd_ps(v, v));
+  static void widen_pairs(const c10::BFloat16* p, reg& first, reg& second) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    first = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    second = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
   }
 };
 #endif
 
 #if defined(MI_SMALL_MM)
-constexpr int kRowTile = 4;  // rows sharing each weight load
+constexpr int kBlock = 16;                   // outputs per packed block
+constexpr int kRegs = kBlock / Simd::W;      // registers per block (1 with AVX-512, 2 with AVX2)
+constexpr int kRowTile = 4;                  // rows sharing each weight load
+constexpr int64_t kChunkBlocks = 4;          // blocks per task: two threads share even one expert's work
 
-// the last n < W elements of a row, zero-padded to a full register
-template <typename T>
-inline Simd::reg load_tail(const T* p, int64_t n) {
-  T buf[Simd::W] = {};
-  std::copy(p, p + n, buf);
-  return Simd::load(buf);
-}
-
-// acc[r][g] += x[r][k:k+W] . w[g][k:k+W] over K, W float32 lanes at a time, the K tail padded
-template <int R, int G, typename T>
-inline void dot_tile(const T* const* x, const T* __restrict w, int64_t K, Simd::reg (&acc)[R][G]) {
-  int64_t k = 0;
-  for (; k + Simd::W <= K; k += Simd::W) {
+// R rows times B packed blocks (float32 weights [B][K][16]) over all of K -> acc[r][b][j]
+template <int R, int B>
+inline void packed_tile(const float* const* x, const float* __restrict w, int64_t K,
+                        Simd::reg (&acc)[R][B][kRegs]) {
+  for (int64_t k = 0; k < K; ++k) {
     Simd::reg xv[R];
-    for (int r = 0; r < R; ++r) xv[r] = Simd::load(x[r] + k);
-    for (int g = 0; g < G; ++g) {
-      const Simd::reg wv = Simd::load(w + g * K + k);
-      for (int r = 0; r < R; ++r) acc[r][g] = Simd::fma(xv[r], wv, acc[r][g]);
-    }
-  }
-  if (k < K) {
-    Simd::reg xv[R];
-    for (int r = 0; r < R; ++r) xv[r] = load_tail(x[r] + k, K - k);
-    for (int g = 0; g < G; ++g) {
-      const Simd::reg wv = load_tail(w + g * K + k, K - k);
-      for (int r = 0; r < R; ++r) acc[r][g] = Simd::fma(xv[r], wv, acc[r][g]);
-    }
+    for (int r = 0; r < R; ++r) xv[r] = Simd::set1(x[r][k]);
+    for (int b = 0; b < B; ++b)
+      for (int j = 0; j < kRegs; ++j) {
+        const Simd::reg wv = Simd::load(w + (b * K + k) * kBlock + j * Simd::W);
+        for (int r = 0; r < R; ++r) acc[r][b][j] = Simd::fma(xv[r], wv, acc[r][b][j]);
+      }
   }
 }
 
+// bfloat16 weights [B][K/2][16][2]: one pair of inputs per step
+template <int R, int B>
+inline void packed_tile(const c10::BFloat16* const* x, const c10::BFloat16* __restrict w, int64_t K,
+                        Simd::reg (&acc)[R][B][kRegs]) {
+  const int64_t K2 = K / 2;
 #if defined(__AVX512BF16__)
-// bfloat16 with its dot-product instruction: 32 pairs per step, the K tail by masked loads
-template <int R, int G>
-inline void dot_tile(const c10::BFloat16* const* x, const c10::BFloat16* __restrict w, int64_t K,
-                     __m512 (&acc)[R][G]) {
-  for (int64_t k = 0; k < K; k += 32) {
-    const __mmask32 m = K - k >= 32 ? ~0u : static_cast<__mmask32>((1u << (K - k)) - 1);
-    __m512bh xv[R];
-    for (int r = 0; r < R; ++r) xv[r] = (__m512bh)_mm512_maskz_loadu_epi16(m, x[r] + k);
-    for (int g = 0; g < G; ++g) {
-      const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(m, w + g * K + k);
-      for (int r = 0; r < R; ++r) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], xv[r], wv);
-    }
-  }
-}
-#endif
-
-// R rows times outputs [n0, n1) of one matrix w [N, K], into float32 rows y[r][n - n0]: G
-// outputs per pass over K (with 16 accumulators: 16 at one row, 8 at two, 4 at four)
-template <typename T, int R>
-void rows_times(const T* const* x, const T* w, int64_t K, int64_t n0, int64_t n1, float* const* y) {
-  constexpr int G = Simd::kAcc / R;
-  int64_t n = n0;
-  for (; n < n1; n += G) {
-    Simd::reg acc[R][G];
+  for (int64_t k = 0; k < K2; ++k) {
+    __m512bh xv[R];  // the pair, broadcast to every lane
     for (int r = 0; r < R; ++r)
-      for (int g = 0; g < G; ++g) acc[r][g] = Simd::zero();
-    if (n + G <= n1) {
-      dot_tile<R, G>(x, w + n * K, K, acc);
-#if defined(__AVX512BF16__)
-      // bfloat16's dot products take half float32's instructions (32 pairs each), so the 16
-      // reductions weigh more: summed as one tree, 1.03-1.31x faster at 1-32 rows on the bundled
-      // model's shapes (AMD EPYC Zen 4, two runs); float32 kept them (0.93-1.07x)
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        float sums[Simd::kAcc];  // the R x G accumulators, row-major
-        Simd::sum_all(&acc[0][0], sums);
-        for (int r = 0; r < R; ++r)
-          for (int g = 0; g < G; ++g) y[r][n - n0 + g] = sums[r * G + g];
-        continue;
-      }
-#endif
-      for (int r = 0; r < R; ++r)
-        for (int g = 0; g < G; ++g) y[r][n - n0 + g] = Simd::sum(acc[r][g]);
-    } else {  // the last outputs, one at a time
-      for (int64_t m = n; m < n1; ++m) {
-        Simd::reg one[R][1];
-        for (int r = 0; r < R; ++r) one[r][0] = Simd::zero();
-        dot_tile<R, 1>(x, w + m * K, K, one);
-        for (int r = 0; r < R; ++r) y[r][m - n0] = Simd::sum(one[r][0]);
-      }
+      xv[r] = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x[r] + 2 * k));
+    for (int b = 0; b < B; ++b) {
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + (b * K2 + k) * 2 * kBlock);
+      for (int r = 0; r < R; ++r) acc[r][b][0] = _mm512_dpbf16_ps(acc[r][b][0], xv[r], wv);
     }
   }
-}
-#endif  // MI_SMALL_MM
-
-// float32 scratch -> an output row: copied, or rounded to bfloat16 (nearest even) 16 at a time
-inline void store_row(const float* src, float* dst, int64_t n) { std::copy(src, src + n, dst); }
-
-inline void store_row(const float* src, c10::BFloat16* dst, int64_t n) {
-  int64_t i = 0;
-#if defined(__AVX512BF16__)
-  for (; i + 16 <= n; i += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
+#else
+  for (int64_t k = 0; k < K2; ++k) {
+    Simd::reg x0[R], x1[R];
+    for (int r = 0; r < R; ++r) x0[r] = Simd::set1(to_f(x[r][2 * k])), x1[r] = Simd::set1(to_f(x[r][2 * k + 1]));
+    for (int b = 0; b < B; ++b)
+      for (int j = 0; j < kRegs; ++j) {
+        Simd::reg w0, w1;
+        Simd::widen_pairs(w + ((b * K2 + k) * kBlock + j * Simd::W) * 2, w0, w1);
+        for (int r = 0; r < R; ++r) acc[r][b][j] = Simd::fma(x1[r], w1, Simd::fma(x0[r], w0, acc[r][b][j]));
+      }
+  }
 #endif
-  for (; i < n; ++i) dst[i] = static_cast<c10::BFloat16>(src[i]);
 }
+
+// float32 accumulators -> an output row: copied, or rounded to bfloat16 (nearest even)
+inline void store_block(const float* src, float* dst) { std::copy(src, src + kBlock, dst); }
+
+inline void store_block(const float* src, c10::BFloat16* dst) {
+#if defined(__AVX512BF16__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src)));
+#else
+  for (int i = 0; i < kBlock; ++i) dst[i] = static_cast<c10::BFloat16>(src[i]);
+#endif
+}
+
+// R rows times blocks [nb0, nb1) of one expert's packed matrix (blocks of kBlock * K values)
+// into rows y[r] (outputs nb * 16 on), B blocks per pass over K, then one at a time
+template <typename T, int R, int B>
+void rows_times(const T* const* x, const T* w, int64_t K, int64_t nb0, int64_t nb1, T* const* y) {
+  auto pass = [&](auto tag, int64_t nb) {
+    constexpr int BB = decltype(tag)::value;
+    Simd::reg acc[R][BB][kRegs];
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < BB; ++b)
+        for (int j = 0; j < kRegs; ++j) acc[r][b][j] = Simd::zero();
+    packed_tile<R, BB>(x, w + nb * kBlock * K, K, acc);
+    alignas(64) float out[kBlock];
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < BB; ++b) {
+        for (int j = 0; j < kRegs; ++j) Simd::store(out + j * Simd::W, acc[r][b][j]);
+        store_block(out, y[r] + (nb + b) * kBlock);
+      }
+  };
+  int64_t nb = nb0;
+  for (; nb + B <= nb1; nb += B) pass(std::integral_constant<int, B>{}, nb);
+  for (; nb < nb1; ++nb) pass(std::integral_constant<int, 1>{}, nb);
+}
+
+// blocks per pass over K: R x B x kRegs accumulators, at most 16 of AVX-512's 32 registers or
+// 8 of AVX2's 16, and at most 4 blocks (a task's chunk)
+constexpr int kAccRegs = kRegs == 1 ? 16 : 8;
+constexpr int blocks_per_pass(int rows) { return std::clamp(kAccRegs / (rows * kRegs), 1, 4); }
+#endif  // MI_SMALL_MM
 
 // rows grouped by expert: the rows of expert e are order[start[e] .. start[e + 1])
 struct Groups {
@@ -488,32 +464,30 @@ struct Groups {
 
 #if defined(MI_SMALL_MM)
 template <typename T>
-void small_mm_kernel(const T* x, const T* w, const Groups& groups, int64_t K, int64_t N, T* out) {
-  // tasks: (expert with rows, a range of 64 outputs), so two threads share even one expert's
-  // work; a product too small to pay for waking the threads (under ~2^17 multiply-adds) runs here
-  constexpr int64_t kOutChunk = 64;
-  const int64_t chunks = (N + kOutChunk - 1) / kOutChunk;
+void small_mm_kernel(const T* x, const T* w, const Groups& groups, int64_t K, int64_t NB, T* out) {
+  // tasks: (expert with rows, a range of kChunkBlocks blocks); a product too small to pay for
+  // waking the threads (under ~2^17 multiply-adds) runs here
+  const int64_t N = NB * kBlock;
+  const int64_t chunks = (NB + kChunkBlocks - 1) / kChunkBlocks;
   const int64_t tasks = static_cast<int64_t>(groups.experts.size()) * chunks;
   auto run = [&](int64_t begin, int64_t end) {
-    float scratch[kRowTile][kOutChunk];
     for (int64_t t = begin; t < end; ++t) {
       const int64_t e = groups.experts[t / chunks], c = t % chunks;
       const int64_t* rows = groups.order.data() + groups.start[e];
       const int64_t count_e = groups.start[e + 1] - groups.start[e];
-      const int64_t n0 = c * kOutChunk, n1 = std::min(N, n0 + kOutChunk);
+      const int64_t nb0 = c * kChunkBlocks, nb1 = std::min(NB, nb0 + kChunkBlocks);
       const T* we = w + e * N * K;
       for (int64_t i = 0; i < count_e; i += kRowTile) {
         const int count = static_cast<int>(std::min<int64_t>(kRowTile, count_e - i));
         const T* xr[kRowTile];
-        float* yr[kRowTile];
-        for (int r = 0; r < count; ++r) xr[r] = x + rows[i + r] * K, yr[r] = scratch[r];
+        T* yr[kRowTile];
+        for (int r = 0; r < count; ++r) xr[r] = x + rows[i + r] * K, yr[r] = out + rows[i + r] * N;
         if (count == 4) {
-          rows_times<T, 4>(xr, we, K, n0, n1, yr);
+          rows_times<T, 4, blocks_per_pass(4)>(xr, we, K, nb0, nb1, yr);
         } else {  // three rows as two and one
-          if (count >= 2) rows_times<T, 2>(xr, we, K, n0, n1, yr);
-          if (count & 1) rows_times<T, 1>(xr + count - 1, we, K, n0, n1, yr + count - 1);
+          if (count >= 2) rows_times<T, 2, blocks_per_pass(2)>(xr, we, K, nb0, nb1, yr);
+          if (count & 1) rows_times<T, 1, blocks_per_pass(1)>(xr + count - 1, we, K, nb0, nb1, yr + count - 1);
         }
-        for (int r = 0; r < count; ++r) store_row(scratch[r], out + rows[i + r] * N + n0, n1 - n0);
       }
     }
   };
@@ -529,11 +503,14 @@ void small_mm_kernel(const T* x, const T* w, const Groups& groups, int64_t K, in
 }  // namespace
 
 at::Tensor small_mm(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& experts) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && x.size(1) == w.size(2), "small_mm: x [P, K], w [E, N, K], got ",
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 5 && w.size(3) == 16, "small_mm: x [P, K], w packed [E, N/16, K/V, 16, V], got ",
               x.sizes(), " and ", w.sizes());
   TORCH_CHECK(x.scalar_type() == w.scalar_type(), "small_mm: x and w differ in dtype");
+  const int64_t V = x.scalar_type() == at::kBFloat16 ? 2 : 1;
+  TORCH_CHECK(w.size(4) == V && x.size(1) == w.size(2) * V, "small_mm: x [P, K] with K = ", x.size(1),
+              " against packed w ", w.sizes(), " (V = ", V, ")");
   const at::Tensor xc = x.contiguous(), wc = w.contiguous();
-  const int64_t P = xc.size(0), K = xc.size(1), E = wc.size(0), N = wc.size(1);
+  const int64_t P = xc.size(0), K = xc.size(1), E = wc.size(0), NB = wc.size(1);
   Groups groups;  // a counting sort of the rows by expert
   groups.order.resize(P);
   groups.start.assign(E + 1, 0);
@@ -555,14 +532,14 @@ at::Tensor small_mm(const at::Tensor& x, const at::Tensor& w, const std::optiona
   }
   for (int64_t e = 0; e < E; ++e)
     if (groups.start[e + 1] > groups.start[e]) groups.experts.push_back(e);
-  at::Tensor out = at::empty({P, N}, xc.options());
+  at::Tensor out = at::empty({P, NB * 16}, xc.options());
 #if defined(MI_SMALL_MM)
   if (xc.scalar_type() == at::kFloat) {
-    small_mm_kernel<float>(xc.data_ptr<float>(), wc.data_ptr<float>(), groups, K, N, out.data_ptr<float>());
+    small_mm_kernel<float>(xc.data_ptr<float>(), wc.data_ptr<float>(), groups, K, NB, out.data_ptr<float>());
     return out;
   }
   if (xc.scalar_type() == at::kBFloat16) {
-    small_mm_kernel<c10::BFloat16>(xc.data_ptr<c10::BFloat16>(), wc.data_ptr<c10::BFloat16>(), groups, K, N,
+    small_mm_kernel<c10::BFloat16>(xc.data_ptr<c10::BFloat16>(), wc.data_ptr<c10::BFloat16>(), groups, K, NB,
                                    out.data_ptr<c10::BFloat16>());
     return out;
   }

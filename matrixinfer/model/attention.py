@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from matrixinfer.config import ModelConfig
-from matrixinfer.kernels import cpu_ops_serve, gemm_dtype, paged_mla_decode, small_mm, small_mm_serves
+from matrixinfer.kernels import cpu_ops_serve, gemm_dtype, pack_small_mm, paged_mla_decode, small_mm
 from matrixinfer.model.context import ForwardContext, get_context
 from matrixinfer.model.layers import (
     ColumnParallelLinear,
@@ -86,20 +86,21 @@ class MLAttention(nn.Module):
                                         reduce_results=not self.sequence_parallel, **split)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim)
         self.kv_cache: torch.Tensor | None = None  # [num_blocks, block_size, kv_lora_rank + rope], set by the engine
-        # W_UK^T [H, rank, nope] and W_UV [H, v, rank] as contiguous per-head matrices for the
-        # few-rows operator (kernels.small_mm), set by prepare_absorbed(); None: einsum over views
+        # W_UK^T [H, rank, nope] and W_UV [H, v, rank], each head an "expert", packed for the
+        # few-rows operator (kernels.pack_small_mm), set by prepare_absorbed(); None: einsum over views
         self.absorbed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def prepare_absorbed(self) -> None:
         """After the weights load, on the CPU, in bfloat16: the absorbed decode's two per-head
-        products read copies laid out for kernels.small_mm (each head an "expert"), as vLLM keeps
+        products read copies packed for kernels.small_mm (each head an "expert"), as vLLM keeps
         W_UK^T and W_UV. The einsums over kv_b_proj's views made the BLAS copy both every call
         (16 copies of 1 MB per step, 0.47 ms, on the 512 + 64 model at 8 sequences, besides 0.73
         ms of bmm; the forward went from 6.46 to 4.97 ms). Not in float32: there the copies are
         cheap and the BLAS level with the operator at 8 sequences, ahead at 32 (3.0 vs 3.1 ms)."""
         w_uk, w_uv = self._w_uk_uv()
-        if w_uk.dtype == torch.bfloat16 and small_mm_serves(w_uk.dtype, w_uk.device):
-            self.absorbed = (w_uk.transpose(1, 2).contiguous(), w_uv.contiguous())
+        if w_uk.dtype == torch.bfloat16:
+            w_uk_t, w_uv = pack_small_mm(w_uk.transpose(1, 2)), pack_small_mm(w_uv)
+            self.absorbed = (w_uk_t, w_uv) if w_uk_t is not None and w_uv is not None else None
 
     # -- the "MLA prolog": projections, norm, rope --------------------------------------------
     def prolog(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):

@@ -176,6 +176,8 @@ def move_experts(experts, old: Placement, new: Placement, group: ParallelGroup) 
             data.copy_(fresh)  # the same storage: nothing that points at it goes stale
         else:
             param.data = fresh  # the first installation may change the slot count
+    if getattr(experts, "small_mm_weights", None) is not None:  # the few-rows operator's packed copies
+        experts.quant_method.pack_small_mm(experts)
 
 
 class ExpertBalancer:

@@ -16,14 +16,22 @@ from matrixinfer.worker.sampler import SamplingRow, sample
 from matrixinfer.worker.spec_decode import SpecBatch, add_decode_queries, draft_context, verify
 
 
+def prepare_small_mm(model: DeepseekForCausalLM) -> None:
+    """The copies of the weights the few-rows operator reads (kernels.small_mm), where it serves."""
+    for module in model.modules():
+        if hasattr(module, "quant_method"):
+            module.quant_method.pack_small_mm(module)
+    for attn in model.attention_layers():
+        attn.prepare_absorbed()
+
+
 class ModelRunner:
     def __init__(self, model: DeepseekForCausalLM, num_blocks: int, block_size: int, device: torch.device,
                  compile_decode: bool = False, num_spec_tokens: int = 0):
         self.model, self.device, self.block_size = model, device, block_size
         if device.type == "cpu":  # matrixinfer/kernels: built once per machine
             load_cpu_ops()
-            for attn in model.attention_layers():
-                attn.prepare_absorbed()
+            prepare_small_mm(model)
         self.num_spec_tokens = num_spec_tokens  # MTP drafts per step (0: no speculative decoding)
         if num_spec_tokens and not len(model.model.mtp):
             raise ValueError("speculative method mtp needs a checkpoint with an MTP module (num_nextn_predict_layers "

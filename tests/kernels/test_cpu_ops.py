@@ -112,13 +112,15 @@ def test_argmax_rows_equals_torch_argmax(width):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("k, n", [(256, 384), (77, 33)])
+@pytest.mark.parametrize("k, n", [(256, 384), (78, 48), (64, 16)])
 def test_small_mm_equals_linear_per_row(dtype, k, n):
-    """Each row times its expert's matrix, as F.linear computes it in float32 from the same
-    inputs: rows in any order, experts with one to nine rows and one with none, widths off the
-    vector sizes (K tails, N tails), and the dense form (one matrix, no expert ids). float32
-    to 1e-5; bfloat16 within the rounding of its output (float32 accumulation)."""
-    from matrixinfer.kernels import small_mm, small_mm_serves
+    """Each row times its expert's packed matrix, as F.linear computes it in float32 from the
+    same inputs: rows in any order, experts with one to nine rows (tiles of four, two, one) and
+    one with none, K off the vector sizes, N of 1, 3 and 24 blocks of 16 (passes of four blocks
+    and the rest), and the dense form (one matrix, no expert ids). float32 to 1e-5; bfloat16
+    within the rounding of its output (float32 accumulation). pack_small_mm declines what the
+    operator cannot take (N off the block, an odd K in bfloat16)."""
+    from matrixinfer.kernels import pack_small_mm, small_mm, small_mm_serves
 
     if not small_mm_serves(dtype, torch.device("cpu")):
         pytest.skip(f"this CPU's build has no small_mm for {dtype}")
@@ -128,13 +130,15 @@ def test_small_mm_equals_linear_per_row(dtype, k, n):
     x = torch.randn(17, k, generator=g).to(dtype)
     ref = torch.stack([F.linear(x[p].float(), w[e].float()) for p, e in enumerate(experts.tolist())])
     tol = 1e-5 if dtype == torch.float32 else 1e-2
-    got = small_mm(x, w, experts)
+    got = small_mm(x, pack_small_mm(w), experts)
     assert got.dtype == dtype and got.shape == (17, n)
     assert ((got.float() - ref).abs().max() / ref.abs().max()) < tol
-    dense = small_mm(x[:3], w[4:5])
+    dense = small_mm(x[:3], pack_small_mm(w[4]))
     assert ((dense.float() - F.linear(x[:3].float(), w[4].float())).abs().max() / ref.abs().max()) < tol
     with pytest.raises(RuntimeError, match="names expert"):
-        small_mm(x, w, torch.full((17,), 5))
+        small_mm(x, pack_small_mm(w), torch.full((17,), 5))
+    assert pack_small_mm(w[:, :n - 1]) is None
+    assert (pack_small_mm(w[..., :k - 1]) is None) == (dtype == torch.bfloat16)
 
 
 def test_absorbed_copies_give_the_same_attention_in_bfloat16():

@@ -177,12 +177,15 @@ def test_quant_method_is_the_only_path_to_the_weights(tmp_path):
 def test_the_expert_paths_agree(subset):
     """The sync-free paths (gathered pair weights, every local expert, and with all experts
     local the grouped matmul operator) give the grouped path's output, with all experts local
-    and with a subset held (EP); the shapes pick the paths."""
-    h, i, n_exp = 8, 8, 7  # rows of 32 bytes: what the grouped matmul operator takes
+    and with a subset held (EP); the shapes pick the paths (the few-rows operator once its
+    packed copies exist)."""
+    h, i, n_exp = 16, 8, 7  # rows of 32 and 64 bytes: what the grouped matmul operator takes
     experts = RoutedExperts(n_exp, h, i, expert_ids=subset)
     with torch.no_grad():
         experts.w13_weight.normal_(generator=G)
         experts.w2_weight.normal_(generator=G)
+    load_cpu_ops()
+    experts.quant_method.pack_small_mm(experts)
     x = torch.randn(3, h, generator=G)
     ids = torch.tensor([[1, 3], [6, 0], [2, 5]])
     weights = torch.rand(3, 2, generator=G)
@@ -198,6 +201,8 @@ def test_the_expert_paths_agree(subset):
         assert experts.path(1, 2, cpu, torch.float32) == ("pairs" if AVX512 else "small_mm")
         assert experts.path(3, 2, cpu, torch.float32) == "small_mm"
         bf16 = RoutedExperts(n_exp, h, i, params_dtype=torch.bfloat16)  # bfloat16 takes the operator at 1 token too
+        assert bf16.path(1, 2, cpu, torch.bfloat16) == "pairs"  # not packed yet
+        bf16.quant_method.pack_small_mm(bf16)
         assert bf16.path(1, 2, cpu, torch.bfloat16) == ("small_mm" if small_mm_serves(torch.bfloat16, cpu) else "pairs")
     big = "grouped_mm" if subset is None and load_cpu_ops() else "all"
     assert experts.path(14, 2, cpu) == big and experts.path(14, 2) == "all"  # no device: no operator
@@ -241,6 +246,8 @@ def test_bfloat16_products_multiply_in_float32_by_cpu(monkeypatch, cpu):
     layer = ColumnParallelLinear(64, 96, params_dtype=torch.bfloat16)
     w = torch.randn(96, 64, generator=G).bfloat16()
     load(layer, w)
+    load_cpu_ops()
+    layer.quant_method.pack_small_mm(layer)  # as the runner does: the operator's copy, where it serves
     x = torch.randn(compiled + 1, 64, generator=G).bfloat16()
     with torch.no_grad():
         for rows, compiling in ((1, False), (eager, False), (compiled, False), (compiled, True), (compiled - 1, True),
@@ -259,6 +266,7 @@ def test_bfloat16_products_multiply_in_float32_by_cpu(monkeypatch, cpu):
     # the logits' linear (rows_repeat: the same row count step after step) has fixed shapes in
     # eager calls too: past small_mm's rows it keeps bfloat16 below the compiled threshold
     head = load(ReplicatedLinear(64, 96, params_dtype=torch.bfloat16, rows_repeat=True), w)
+    head.quant_method.pack_small_mm(head)
     with torch.no_grad():
         rows = SMALL_MM_REPEATED_ROWS[torch.bfloat16] + 1
         assert eager < rows < compiled

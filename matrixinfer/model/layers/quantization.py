@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from matrixinfer.kernels import (AMX_BF16, AVX512, INTEL, bfloat16_linear, gemm_dtype, gemm_rows, grouped_mm, small_mm,
-                                 small_mm_serves)
+from matrixinfer.kernels import (AMX_BF16, AVX512, INTEL, bfloat16_linear, gemm_dtype, gemm_rows, grouped_mm,
+                                 pack_small_mm, small_mm)
 
 WeightLoader = Callable[..., None]
 
@@ -44,6 +44,11 @@ class LinearMethodBase:
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Called once after the checkpoint is loaded (e.g. to quantize a bf16 checkpoint)."""
+
+    def pack_small_mm(self, layer: nn.Module) -> None:
+        """On the CPU, once the operators are loaded and the weights final (the runner calls it):
+        keep the copy of the weights the few-rows operator reads (kernels.pack_small_mm), where
+        it serves this method."""
 
 
 # Up to how many rows a dense linear runs the few-rows operator (kernels.small_mm) instead of
@@ -77,12 +82,16 @@ class UnquantizedLinearMethod(LinearMethodBase):
         set_weight_attrs(weight, output_dim=0, input_dim=1, weight_loader=weight_loader)
         layer.register_parameter("weight", weight)
 
+    def pack_small_mm(self, layer):
+        layer.weight_small_mm = pack_small_mm(layer.weight)
+
     def apply(self, layer, x):
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         limit = (SMALL_MM_REPEATED_ROWS if layer.rows_repeat else SMALL_MM_ROWS).get(x.dtype, 0)
-        if (0 < rows <= limit and small_mm_serves(x.dtype, x.device)
+        packed = getattr(layer, "weight_small_mm", None)
+        if (0 < rows <= limit and packed is not None and packed.dtype == x.dtype and packed.device == x.device
                 and (x.dtype in SMALL_MM_COMPILED or not torch.compiler.is_compiling())):
-            return small_mm(x.reshape(rows, x.shape[-1]), layer.weight[None]).view(*x.shape[:-1], -1)
+            return small_mm(x.reshape(rows, x.shape[-1]), packed).view(*x.shape[:-1], -1)
         ct = gemm_dtype(x.dtype, x.device, rows, fixed_shape=layer.rows_repeat)
         if _pads_rows(ct, x.device) and not layer.rows_repeat:
             return bfloat16_linear(x, layer.weight)
@@ -129,8 +138,11 @@ class ExpertsMethodBase:
 
     def small_mm_serves(self, layer: nn.Module, dtype: torch.dtype, device: torch.device) -> bool:
         """apply_small_mm is available for activations of `dtype` on `device` (the few-rows
-        operator of matrixinfer/kernels)."""
+        operator of matrixinfer/kernels, its packed weights kept by pack_small_mm)."""
         return False
+
+    def pack_small_mm(self, layer: nn.Module) -> None:
+        """As LinearMethodBase.pack_small_mm; called again when the experts' weights move (EPLB)."""
 
     def apply_small_mm(self, layer: nn.Module, xs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """xs [P, H], experts [P] each row's local expert -> the SwiGLU outputs [P, H]: for a few
@@ -157,12 +169,18 @@ class UnquantizedExpertsMethod(ExpertsMethodBase):
             return _grouped_swiglu(padded, w13, w2, offs)[place]
         return _grouped_swiglu(xs.to(ct), w13.to(ct), w2.to(ct), offs).to(xs.dtype)
 
+    def pack_small_mm(self, layer):
+        w13, w2 = pack_small_mm(layer.w13_weight), pack_small_mm(layer.w2_weight)
+        layer.small_mm_weights = (w13, w2) if w13 is not None and w2 is not None else None
+
     def small_mm_serves(self, layer, dtype, device):
-        return small_mm_serves(dtype, device) and layer.w13_weight.dtype == dtype
+        packed = getattr(layer, "small_mm_weights", None)
+        return packed is not None and packed[0].dtype == dtype and packed[0].device == device
 
     def apply_small_mm(self, layer, xs, experts):
-        gate, up = small_mm(xs, layer.w13_weight, experts).chunk(2, dim=-1)
-        return small_mm(F.silu(gate) * up, layer.w2_weight, experts)
+        w13, w2 = layer.small_mm_weights
+        gate, up = small_mm(xs, w13, experts).chunk(2, dim=-1)
+        return small_mm(F.silu(gate) * up, w2, experts)
 
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
                        weight_loader):
