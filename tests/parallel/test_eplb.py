@@ -87,3 +87,29 @@ def test_online_rebalance_moves_experts_and_keeps_the_outputs():
         # not bit-identical: an expert's rows now split over replicas, and a matmul's rounding
         # depends on how many rows it multiplies; within float32 rounding of the same sums
         assert max(abs(o - out[0]).max() for o in out) < 1e-5
+
+
+def test_moving_experts_repacks_the_few_rows_operators_copy():
+    """After move_experts refills a layer's slots, the few-rows operator's packed copies
+    (kernels.pack_small_mm) hold the moved weights, not the slots' old ones: each slot's
+    output equals F.linear with the weights now in that slot (bfloat16 rounding)."""
+    from matrixinfer.kernels import load_cpu_ops, small_mm, small_mm_serves
+    from matrixinfer.model.layers.experts import RoutedExperts
+    from matrixinfer.parallel.eplb import Placement, move_experts
+    from matrixinfer.parallel.state import ParallelGroup
+
+    if not (load_cpu_ops() and small_mm_serves(torch.bfloat16, torch.device("cpu"))):
+        pytest.skip("this CPU's build has no bfloat16 small_mm")
+    experts = RoutedExperts(4, 32, 16, params_dtype=torch.bfloat16)
+    with torch.no_grad():
+        for p in (experts.w13_weight, experts.w2_weight):
+            p.normal_()
+    experts.quant_method.pack_small_mm(experts)
+    before = experts.w13_weight.clone()
+    move_experts(experts, Placement([0, 1, 2, 3], [4], [1] * 4), Placement([3, 2, 1, 0], [4], [1] * 4),
+                 ParallelGroup(None, [0], 0))
+    assert torch.equal(experts.w13_weight, before.flip(0))
+    x = torch.randn(4, 32).bfloat16()
+    got = small_mm(x, experts.small_mm_weights[0], torch.arange(4))
+    ref = torch.stack([torch.nn.functional.linear(x[s].float(), experts.w13_weight[s].float()) for s in range(4)])
+    assert ((got.float() - ref).abs().max() / ref.abs().max()) < 1e-2
