@@ -327,9 +327,10 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 // block's weights are one contiguous run read front to back, each weight once per four rows of
 // its expert. Against nn.Linear's layout read in place (dot products along K, summed across
 // lanes), 1.3-2.0x faster at 1 and 8 rows on the bundled model's shapes (AMD EPYC Zen 4, 1 and
-// 2 threads, weights streamed from L3), near the read bandwidth at one row.
-// bfloat16: 32 pairs per AVX512-BF16 dot-product instruction (float32 accumulation), or
-// widened to float32 where the CPU lacks it. Reference: F.linear per row and expert (tests).
+// 2 threads, weights streamed from L3), within 1.2-1.6x of the weights' read time at one row.
+// bfloat16: one input pair times 16 outputs' pairs per AVX512-BF16 dot-product instruction
+// (float32 accumulation), or widened to float32 where the CPU lacks it. Reference: F.linear
+// per row and expert (tests).
 namespace {
 
 #if defined(__AVX512F__)
