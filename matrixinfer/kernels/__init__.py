@@ -227,9 +227,14 @@ def small_mm_serves(dtype: torch.dtype, device: torch.device) -> bool:
 SMALL_MM_BLOCK = 16  # outputs per packed block
 
 
+def _pair_width(dtype: torch.dtype) -> int:
+    """Values along K per packed step: bfloat16 in pairs (one dot-product instruction), else 1."""
+    return 2 if dtype == torch.bfloat16 else 1
+
+
 def _pack(w: torch.Tensor) -> torch.Tensor:
     e, n, k = w.shape
-    v = 2 if w.dtype == torch.bfloat16 else 1  # bfloat16 in pairs along K (one dot-product step)
+    v = _pair_width(w.dtype)
     return w.reshape(e, n // SMALL_MM_BLOCK, SMALL_MM_BLOCK, k // v, v).permute(0, 1, 3, 2, 4).contiguous()
 
 
@@ -238,8 +243,7 @@ def pack_small_mm(w: torch.Tensor) -> torch.Tensor | None:
     ([E, N/16, K/V, 16, V], V = 2 for bfloat16, 1 for float32), or None where small_mm does not
     serve: another dtype or device, no operators, N not a multiple of 16 or K of V."""
     w3 = w if w.dim() == 3 else w[None]
-    v = 2 if w.dtype == torch.bfloat16 else 1
-    if not small_mm_serves(w.dtype, w.device) or w3.shape[1] % SMALL_MM_BLOCK or w3.shape[2] % v:
+    if not small_mm_serves(w.dtype, w.device) or w3.shape[1] % SMALL_MM_BLOCK or w3.shape[2] % _pair_width(w.dtype):
         return None
     return _pack(w3.detach())
 

@@ -333,6 +333,8 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 // per row and expert (tests).
 namespace {
 
+constexpr int kBlock = 16;  // outputs per packed block (kernels.SMALL_MM_BLOCK)
+
 #if defined(__AVX512F__)
 #define MI_SMALL_MM 1
 struct Simd {  // 16 float32 lanes: a block of 16 outputs is one register
@@ -369,7 +371,6 @@ struct Simd {  // 8 float32 lanes: a block of 16 outputs is two registers
 #endif
 
 #if defined(MI_SMALL_MM)
-constexpr int kBlock = 16;                   // outputs per packed block
 constexpr int kRegs = kBlock / Simd::W;      // registers per block (1 with AVX-512, 2 with AVX2)
 constexpr int kRowTile = 4;                  // rows sharing each weight load
 constexpr int64_t kChunkBlocks = 4;          // blocks per task: two threads share even one expert's work
@@ -455,7 +456,9 @@ void rows_times(const T* const* x, const T* w, int64_t K, int64_t nb0, int64_t n
 // blocks per pass over K: R x B x kRegs accumulators, at most 16 of AVX-512's 32 registers or
 // 8 of AVX2's 16, and at most 4 blocks (a task's chunk)
 constexpr int kAccRegs = kRegs == 1 ? 16 : 8;
-constexpr int blocks_per_pass(int rows) { return std::clamp(kAccRegs / (rows * kRegs), 1, 4); }
+constexpr int blocks_per_pass(int rows) {
+  return std::clamp(kAccRegs / (rows * kRegs), 1, static_cast<int>(kChunkBlocks));
+}
 #endif  // MI_SMALL_MM
 
 // rows grouped by expert: the rows of expert e are order[start[e] .. start[e + 1])
@@ -504,7 +507,7 @@ void small_mm_kernel(const T* x, const T* w, const Groups& groups, int64_t K, in
 }  // namespace
 
 at::Tensor small_mm(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& experts) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 5 && w.size(3) == 16, "small_mm: x [P, K], w packed [E, N/16, K/V, 16, V], got ",
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 5 && w.size(3) == kBlock, "small_mm: x [P, K], w packed [E, N/16, K/V, 16, V], got ",
               x.sizes(), " and ", w.sizes());
   TORCH_CHECK(x.scalar_type() == w.scalar_type(), "small_mm: x and w differ in dtype");
   const int64_t V = x.scalar_type() == at::kBFloat16 ? 2 : 1;
@@ -533,7 +536,7 @@ at::Tensor small_mm(const at::Tensor& x, const at::Tensor& w, const std::optiona
   }
   for (int64_t e = 0; e < E; ++e)
     if (groups.start[e + 1] > groups.start[e]) groups.experts.push_back(e);
-  at::Tensor out = at::empty({P, NB * 16}, xc.options());
+  at::Tensor out = at::empty({P, NB * kBlock}, xc.options());
 #if defined(MI_SMALL_MM)
   if (xc.scalar_type() == at::kFloat) {
     small_mm_kernel<float>(xc.data_ptr<float>(), wc.data_ptr<float>(), groups, K, NB, out.data_ptr<float>());
