@@ -4,7 +4,8 @@ and SGLang capture for decode batches.
 A decode-only step (every sequence adds one token) is the engine's steady state and, at small
 batch, almost all fixed cost: a few hundred PyTorch operators of microseconds each. Its
 attention reads only tensors (ForwardContext.decode_only) and the MoE picks a sync-free path
-from shapes, so inductor compiles the whole forward into a few fused C++ kernels.
+from shapes, so inductor compiles the whole forward, and the head after it (the logits of
+every row), into a few fused C++ kernels.
 
 Two kinds of graph, measured on the bundled model (float32, 2 threads, forward only):
 - small batches (up to 8) are padded to a bucket (1, 2, 4, 8) and run a graph with static
@@ -14,12 +15,14 @@ Two kinds of graph, measured on the bundled model (float32, 2 threads, forward o
 - larger batches run one graph with a symbolic batch size, unpadded: there static shapes did
   not measurably win (2.50 vs 2.43 ms at 16, 3.48 vs 3.94 at 32, 8.74 vs 8.39 at 64), and a
   graph per size would multiply the compile time.
-Compiling happens at start-up (`warm_up`), and inductor caches the result on disk, so a
-restart pays the tracing, not the C++ compiles.
+A static graph is then replayed past torch.compile's per-call machinery (`Replay`), as vLLM
+calls its compiled code past Dynamo's guards. Compiling happens at start-up (`warm_up`), and
+inductor caches the result on disk, so a restart pays the tracing, not the C++ compiles.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import types
 
@@ -27,6 +30,8 @@ import torch
 
 from matrixinfer.model.context import ForwardContext, forward_context
 from matrixinfer.model.deepseek import DeepseekForCausalLM
+
+log = logging.getLogger(__name__)
 
 MIN_TABLE_WIDTH = 2  # width 1 would be specialised by the compiler: pad to 2 (masked by the lengths)
 STATIC_BATCHES = (1, 2, 4, 8)  # padded batch sizes with a static graph each
@@ -39,19 +44,92 @@ def padded_batch(n: int) -> int:
 
 def _guards_to_keep(entries) -> list[bool]:
     """No guards on module attributes but the layers' cache views: 0.07 ms of the 0.68 a call
-    costs at batch 1. Safe because the graphs serve one model instance (_own_forward) whose
+    costs at batch 1. Safe because the graphs serve one model instance (_own_step) whose
     weights load before warm_up and change in place only; a runner that re-binds the cache
     views is still caught."""
     return [not e.orig_guard.source.is_unspecialized_nn_module() or "kv_cache" in e.name for e in entries]
 
 
-def _own_forward(model: DeepseekForCausalLM):
-    """model.forward with a code object of its own. Dynamo keeps compiled graphs on the code
-    object, so without this every model of the process would share them, and with module
-    guards dropped a graph of one checkpoint could run another's weights."""
-    f = type(model).forward
-    code = f.__code__.replace()
-    return types.FunctionType(code, f.__globals__, f.__name__, f.__defaults__, f.__closure__).__get__(model)
+def decode_step(model: DeepseekForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor):
+    """What a graph computes: the final hidden states and the logits of every row (the head
+    inside the graph is one call fewer from Python each step)."""
+    hidden = model.forward(input_ids, positions)
+    return hidden, model.compute_logits(hidden)
+
+
+def _own_step(model: DeepseekForCausalLM):
+    """decode_step bound to model, with a code object of its own. Dynamo keeps compiled graphs
+    on the code object, so without this every model of the process would share them, and with
+    module guards dropped a graph of one checkpoint could run another's weights."""
+    code = decode_step.__code__.replace()
+    return types.FunctionType(code, decode_step.__globals__, decode_step.__name__).__get__(model)
+
+
+class Replay:
+    """One static graph called directly: inductor's compiled callable with its argument list
+    recorded once (weights, packed copies, cache views) and the step's five tensors and table
+    width put in their places. That skips Dynamo's frame hook, guard check and argument
+    gathering and AOTAutograd's runtime wrappers: measured 0.36 -> 0.26 ms a call at batch 1
+    (bundled model, bfloat16). What those guards checked, the runner guarantees: contiguous
+    int64 inputs of the bucket's shapes under inference mode, weights changed in place only;
+    the cache views are checked on every call (a runner that re-binds them drops the replays).
+
+    Recording rests on inductor's CompiledFxGraph (what torch.compile runs last); `record`
+    returns None, and the step keeps the torch.compile path, where it cannot vouch for the
+    recording: not exactly one graph call, a step tensor at two places, an integer argument
+    other than the table width, or outputs that differ from the compiled path's."""
+
+    def __init__(self, fn, args: list, places: list[tuple[int, int]], width_places: list[int], views: list):
+        self.fn, self.args, self.places, self.width_places, self.views = fn, args, places, width_places, views
+
+    @classmethod
+    def record(cls, compiled, model: DeepseekForCausalLM, inputs: tuple[torch.Tensor, ...], width: int):
+        """Run compiled (the torch.compile'd step) on inputs (ids, positions, slots, tables,
+        lens) under a ForwardContext, recording the graph call; then replay it and compare."""
+        from torch._inductor.output_code import CompiledFxGraph
+
+        calls = []
+        call = CompiledFxGraph.__call__
+
+        def spy(graph, args):
+            calls.append((graph.current_callable, list(args)))
+            return call(graph, args)
+
+        CompiledFxGraph.__call__ = spy
+        try:
+            want = compiled(*inputs)
+        finally:
+            CompiledFxGraph.__call__ = call
+        if len(calls) != 1:
+            return None
+        fn, args = calls[0]
+        where = {id(t): i for i, t in enumerate(inputs)}
+        places, width_places = [], []
+        for j, a in enumerate(args):
+            if isinstance(a, torch.Tensor) and id(a) in where:
+                places.append((j, where[id(a)]))
+            elif not isinstance(a, torch.Tensor):
+                if a != width:
+                    return None
+                width_places.append(j)
+        if len({i for _, i in places}) != len(places):
+            return None
+        replay = cls(fn, args, places, width_places, [a.kv_cache for a in model.attention_layers()])
+        got = replay(*inputs)
+        if len(got) != len(want) or not all(torch.equal(g, w) for g, w in zip(got, want)):
+            return None
+        return replay
+
+    def valid(self, model: DeepseekForCausalLM) -> bool:
+        return all(a.kv_cache is v for a, v in zip(model.attention_layers(), self.views))
+
+    def __call__(self, *inputs: torch.Tensor):
+        args = self.args.copy()  # the callable empties the list it is given
+        for j, i in self.places:
+            args[j] = inputs[i]
+        for j in self.width_places:
+            args[j] = inputs[3].shape[1]
+        return self.fn(args)
 
 
 class CompiledDecode:
@@ -59,43 +137,73 @@ class CompiledDecode:
         self.model = model
         self.pad_block, self.block_size = pad_block, block_size  # a cache block no sequence owns: padding rows write there
         # cpp_wrapper: the graph's launcher is C++ too (measured: 0.84 vs 1.00 ms a step at batch
-        # 1, 1.83 vs 2.27 at 8, bundled model, float32, 2 threads)
+        # 1, 1.83 vs 2.27 at 8, bundled model, float32, 2 threads). No size asserts: the C++
+        # wrapper builds a stringstream for each of the ~120 it checks, 6 % of a batch-1 step
+        # (perf); the shapes are the graph's own and the custom operators' fakes are tested.
         # a dict per call: torch.compile pops guard_filter_fn out of the one it is given (with one
         # shared dict the second graph kept every guard: 0.33 ms of lookup a step at 32 sequences)
-        options = lambda: {"cpp_wrapper": True, "guard_filter_fn": _guards_to_keep}  # noqa: E731
-        forward = _own_forward(model)
-        self.static = torch.compile(forward, dynamic=False, options=options())
-        self.dynamic = torch.compile(forward, dynamic=True, options=options())
+        options = lambda: {"cpp_wrapper": True, "size_asserts": False,  # noqa: E731
+                           "guard_filter_fn": _guards_to_keep}
+        step = _own_step(model)
+        self.static = torch.compile(step, dynamic=False, options=options())
+        self.dynamic = torch.compile(step, dynamic=True, options=options())
+        self.replays: dict[int, Replay] = {}  # static bucket -> its graph, replayed directly
         self.compile_s = 0.0
         self.steps = 0  # decode steps served (warm-up included)
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """input_ids [padded_batch(n)]: the runner pads small batches (ModelRunner.prepare)."""
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext):
+        """input_ids [padded_batch(n)]: the runner pads small batches (ModelRunner.prepare).
+        Returns (hidden states, logits), one row per input."""
         self.steps += 1
-        if input_ids.shape[0] <= STATIC_BATCHES[-1]:
+        inputs = (input_ids, positions, ctx.slot_mapping, ctx.block_tables, ctx.context_lens_tensor)
+        replay = self.replays.get(input_ids.shape[0])
+        if replay is not None:
+            if replay.valid(self.model):
+                return replay(*inputs)
+            self.replays.clear()  # the cache views were re-bound: the compiled path recompiles
+        return self._compiled(inputs, ctx)
+
+    def _compiled(self, inputs: tuple[torch.Tensor, ...], ctx: ForwardContext):
+        if inputs[0].shape[0] <= STATIC_BATCHES[-1]:
             torch._dynamo.mark_dynamic(ctx.block_tables, 1)  # the one symbolic size of a static graph
             forward = self.static
         else:
             forward = self.dynamic
         with forward_context(ctx):
-            return forward(input_ids, positions)
+            return forward(*inputs[:2])
+
+    def _dummy_step(self, b: int, width: int, device: torch.device):
+        """A step of b padding rows (they write into the pad block), distinct tensors: aliasing
+        would be guarded on."""
+        ids = torch.zeros(b, dtype=torch.long, device=device)
+        tables = torch.full((b, width), self.pad_block, dtype=torch.long, device=device)
+        lens = torch.ones(b, dtype=torch.long, device=device)
+        slots = torch.full((b,), self.pad_block * self.block_size, dtype=torch.long, device=device)
+        return ids, torch.zeros_like(ids), ForwardContext([], [], slots, tables, b, lens, decode_only=True)
 
     @torch.inference_mode()
     def warm_up(self, max_batch: int, device: torch.device) -> float:
-        """Compile every static bucket up to max_batch, then run every larger size once: the
-        dynamic graph's guards split the sizes where the model's shape-chosen paths change (the
-        MoE's, layers/experts.py), and a size whose guards already hold costs one forward, not a
-        compile, so no request meets a compile later (one did, for 15 s, when the warm-up
-        stepped over a range). The dummy rows write into the pad block. Returns the seconds spent."""
+        """Compile every static bucket up to max_batch and record its replay, then run every
+        larger size once: the dynamic graph's guards split the sizes where the model's
+        shape-chosen paths change (the MoE's, layers/experts.py), and a size whose guards
+        already hold costs one forward, not a compile, so no request meets a compile later
+        (one did, for 15 s, when the warm-up stepped over a range). Returns the seconds spent."""
         t = time.perf_counter()
-        sizes = [b for b in STATIC_BATCHES if b <= padded_batch(max_batch)]
-        sizes += range(STATIC_BATCHES[-1] + 1, max_batch + 1)
-        for b in sizes:
-            ids = torch.zeros(b, dtype=torch.long, device=device)
-            tables = torch.full((b, MIN_TABLE_WIDTH), self.pad_block, dtype=torch.long, device=device)
-            lens = torch.ones(b, dtype=torch.long, device=device)
-            slots = torch.full((b,), self.pad_block * self.block_size, dtype=torch.long, device=device)
-            ctx = ForwardContext([], [], slots, tables, b, lens, decode_only=True)
-            self(ids, torch.zeros_like(ids), ctx)  # distinct tensors: aliasing would be guarded on
+        for b in STATIC_BATCHES:
+            if b > padded_batch(max_batch):
+                break
+            self(*self._dummy_step(b, MIN_TABLE_WIDTH, device))
+            # recorded at a width no fixed size of the graph has, so its integer argument is known
+            ids, pos, ctx = self._dummy_step(b, MIN_TABLE_WIDTH + 1, device)
+            replay = Replay.record(lambda *inputs: self._compiled(inputs, ctx), self.model,
+                                   (ids, pos, ctx.slot_mapping, ctx.block_tables, ctx.context_lens_tensor),
+                                   MIN_TABLE_WIDTH + 1)
+            if replay is None:
+                log.warning("decode step of %d: the compiled graph could not be recorded for replay; "
+                            "it runs through torch.compile", b)
+            else:
+                self.replays[b] = replay
+        for b in range(STATIC_BATCHES[-1] + 1, max_batch + 1):
+            self(*self._dummy_step(b, MIN_TABLE_WIDTH, device))
         self.compile_s = time.perf_counter() - t
         return self.compile_s

@@ -75,7 +75,7 @@ class DataParallelRunner(ModelRunner):
         return out
 
     @torch.inference_mode()
-    def run(self, reqs: list[ScheduledRequest], num_decode: int) -> torch.Tensor:
+    def run_step(self, reqs: list[ScheduledRequest], num_decode: int) -> tuple[torch.Tensor, None]:
         owners = self.placement.place(reqs)
         me, size = self.group.rank, self.group.size
         per_rank = [[(r, i < num_decode) for i, (r, o) in enumerate(zip(reqs, owners)) if o == rank]
@@ -101,7 +101,7 @@ class DataParallelRunner(ModelRunner):
             n = len(r.token_ids)
             rows.append(gathered[o, used[o]: used[o] + n])
             used[o] += n
-        return torch.cat(rows)
+        return torch.cat(rows), None
 
 
 def run_microbatches(parts: list, caps: list[int], dispatcher: EPDispatcher) -> list[torch.Tensor]:

@@ -107,7 +107,7 @@ class ModelRunner:
         if self.num_spec_tokens:
             return self._execute_spec(reqs, num_decode, skip, driver)
         sampling = [(i, r) for i, r in enumerate(reqs) if r.sample]
-        hidden_all = self.run(reqs, num_decode)
+        hidden_all, logits = self.run_step(reqs, num_decode)
         if not driver:
             return None
         prompt_logprobs = self.prompt_logprobs(reqs, hidden_all)
@@ -116,8 +116,8 @@ class ModelRunner:
         if len(sampling) == len(reqs) == hidden_all.shape[0]:  # one row per request, all sampled (decode)
             hidden = hidden_all
         else:
-            hidden = hidden_all[self._last_rows(reqs)[[i for i, _ in sampling]]]
-        out = self._sample(self.model.compute_logits(hidden), [r for _, r in sampling])
+            hidden, logits = hidden_all[self._last_rows(reqs)[[i for i, _ in sampling]]], None
+        out = self._sample(self.model.compute_logits(hidden) if logits is None else logits, [r for _, r in sampling])
         tokens = out.token_ids.tolist()
         return ModelRunnerOutput([r.request_id for _, r in sampling], tokens, self._logprobs(out, tokens, sampling),
                                  set(skip), hidden.cpu() if sched.return_hidden_states else None, prompt_logprobs)
@@ -203,13 +203,20 @@ class ModelRunner:
                                  draft_token_ids=[by_index[i][1] for i in order])
 
     @torch.inference_mode()
-    def run(self, reqs: list[ScheduledRequest], num_decode: int) -> torch.Tensor:
-        """The model over one step's tokens: final hidden states [tokens, hidden]."""
+    def run_step(self, reqs: list[ScheduledRequest], num_decode: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The model over one step's tokens: final hidden states [tokens, hidden], and the
+        logits of every row where a compiled decode step computed them inside its graph (else
+        None). Runners of other parallel layouts override this."""
         ids, pos, ctx = self.prepare(reqs, num_decode)
         if ctx.decode_only and self.compiled_decode is not None:
-            return self.compiled_decode(ids, pos, ctx)[: len(reqs)]  # without the padding rows
+            hidden, logits = self.compiled_decode(ids, pos, ctx)
+            return hidden[: len(reqs)], logits[: len(reqs)]  # without the padding rows
         with forward_context(ctx):
-            return self.model(ids, pos)
+            return self.model(ids, pos), None
+
+    def run(self, reqs: list[ScheduledRequest], num_decode: int) -> torch.Tensor:
+        """run_step's hidden states."""
+        return self.run_step(reqs, num_decode)[0]
 
     @torch.inference_mode()
     def forward(self, reqs: list[ScheduledRequest], num_decode: int, logit_rows: list[int]) -> torch.Tensor:

@@ -22,7 +22,10 @@ def test_compiled_decode_equals_eager_without_graph_breaks(tmp_path, monkeypatch
     """Decode-only steps of 1, 3, 5 and 12 sequences over random cached latents (3 and 5 pad
     to a static bucket, 12 runs the dynamic graph; each expert path: gathered pairs, every
     expert) give the eager runner's hidden states (float32, 1e-5) and write the same latents;
-    the padding rows write only into the pad block, past the blocks the KV manager hands out.
+    the padding rows write only into the pad block, past the blocks the KV manager hands out;
+    the logits computed inside the graph equal the eager head's. The static graphs run as
+    replays (called past torch.compile's wrappers) and give way to the compiled path when the
+    cache views are re-bound.
     One graph per bucket, all compiled by the warm-up: no graph breaks (so no host syncs in
     the MoE) and no recompiles while serving, also when the block tables widen; every batch
     size up to 12 runs without one. Every graph, static or dynamic, had its guards filtered
@@ -48,6 +51,7 @@ def test_compiled_decode_equals_eager_without_graph_breaks(tmp_path, monkeypatch
     # (generators, graph breaks): a piecewise step keeps most of the overhead
     assert frames <= len(STATIC_BATCHES) + 2, frames
     assert len(filtered) == frames
+    assert sorted(compiled.compiled_decode.replays) == list(STATIC_BATCHES)  # every static graph replays directly
     for b in (1, 3, 5, 12, 3):
         compiled.kv_cache[:, :blocks].normal_(generator=g)
         eager.kv_cache.copy_(compiled.kv_cache[:, :blocks])
@@ -59,10 +63,12 @@ def test_compiled_decode_equals_eager_without_graph_breaks(tmp_path, monkeypatch
             table, order = order[: -(-n // bs)], order[-(-n // bs):]
             reqs.append(ScheduledRequest(f"r{i}", [int(torch.randint(0, model.config.vocab_size, (1,),
                                                                          generator=g))], n - 1, table, True))
-        out = compiled.run(reqs, num_decode=b)
+        out, logits = compiled.run_step(reqs, num_decode=b)
         ref = eager.run(reqs, num_decode=b)
         assert out.shape == ref.shape == (b, model.config.hidden_size)
         assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5), (b, (out - ref).abs().max())
+        with torch.inference_mode():  # the head ran inside the graph
+            assert torch.allclose(logits, eager.model.compute_logits(ref), rtol=1e-5, atol=1e-5)
         # the same latents written, and nothing outside the pad block by the padding rows
         assert torch.allclose(compiled.kv_cache[:, :blocks], eager.kv_cache, rtol=1e-5, atol=1e-5)
         if b == padded_batch(b):
@@ -73,3 +79,12 @@ def test_compiled_decode_equals_eager_without_graph_breaks(tmp_path, monkeypatch
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == frames  # the warm-up compiled every bucket
     assert compiled.compiled_decode.steps == 8 + 5 + 12  # the warm-up's 1, 2, 4, 8, 9 ... 12 and the steps above
+    # a runner that re-binds the cache views: the replays go, the compiled path (its guard on
+    # the views) runs the step on the new ones
+    cache = torch.randn(compiled.kv_cache.shape, generator=g)
+    for i, attn in enumerate(compiled.model.attention_layers()):
+        attn.kv_cache = cache[i]
+    eager.kv_cache.copy_(cache[:, :blocks])
+    reqs = [ScheduledRequest("t", [1], 5, [0, 1], True)]
+    assert torch.allclose(compiled.run(reqs, num_decode=1), eager.run(reqs, num_decode=1), rtol=1e-5, atol=1e-5)
+    assert not compiled.compiled_decode.replays
