@@ -79,8 +79,10 @@ class Replay:
     recording: not exactly one graph call, a step tensor at two places, an integer argument
     other than the table width, or outputs that differ from the compiled path's."""
 
-    def __init__(self, fn, args: list, places: list[tuple[int, int]], width_places: list[int], views: list):
-        self.fn, self.args, self.places, self.width_places, self.views = fn, args, places, width_places, views
+    def __init__(self, fn, args: list, places: list[tuple[int, int]], width_places: list[int], layers: list):
+        self.fn, self.args, self.places, self.width_places = fn, args, places, width_places
+        self.bound = [(attn, attn.kv_cache) for attn in layers]  # each attention layer and its cache view
+        self.widths: dict[int, torch.Tensor] = {}  # table width -> the 0-d tensor the callable takes for it
 
     @classmethod
     def record(cls, compiled, model: DeepseekForCausalLM, inputs: tuple[torch.Tensor, ...], width: int):
@@ -114,21 +116,26 @@ class Replay:
                 width_places.append(j)
         if len({i for _, i in places}) != len(places):
             return None
-        replay = cls(fn, args, places, width_places, [a.kv_cache for a in model.attention_layers()])
+        replay = cls(fn, args, places, width_places, model.attention_layers())
         got = replay(*inputs)
         if len(got) != len(want) or not all(torch.equal(g, w) for g, w in zip(got, want)):
             return None
         return replay
 
-    def valid(self, model: DeepseekForCausalLM) -> bool:
-        return all(a.kv_cache is v for a, v in zip(model.attention_layers(), self.views))
+    def valid(self) -> bool:
+        return all(attn.kv_cache is view for attn, view in self.bound)
 
     def __call__(self, *inputs: torch.Tensor):
         args = self.args.copy()  # the callable empties the list it is given
         for j, i in self.places:
             args[j] = inputs[i]
-        for j in self.width_places:
-            args[j] = inputs[3].shape[1]
+        if self.width_places:  # the callable would wrap an int in a new tensor each call
+            w = inputs[3].shape[1]
+            width = self.widths.get(w)
+            if width is None:
+                width = self.widths[w] = torch.tensor(w)
+            for j in self.width_places:
+                args[j] = width
         return self.fn(args)
 
 
@@ -158,7 +165,7 @@ class CompiledDecode:
         inputs = (input_ids, positions, ctx.slot_mapping, ctx.block_tables, ctx.context_lens_tensor)
         replay = self.replays.get(input_ids.shape[0])
         if replay is not None:
-            if replay.valid(self.model):
+            if replay.valid():
                 return replay(*inputs)
             self.replays.clear()  # the cache views were re-bound: the compiled path recompiles
         return self._compiled(inputs, ctx)
