@@ -15,8 +15,8 @@ Two kinds of graph, measured on the bundled model (float32, 2 threads, forward o
 - larger batches run one graph with a symbolic batch size, unpadded: there static shapes did
   not measurably win (2.50 vs 2.43 ms at 16, 3.48 vs 3.94 at 32, 8.74 vs 8.39 at 64), and a
   graph per size would multiply the compile time.
-A static graph is then replayed past torch.compile's per-call machinery (`Replay`), as vLLM
-calls its compiled code past Dynamo's guards. Compiling happens at start-up (`warm_up`), and
+Each batch size's graph is then replayed past torch.compile's per-call machinery (`Replay`),
+as vLLM calls its compiled code past Dynamo's guards. Compiling happens at start-up (`warm_up`), and
 inductor caches the result on disk, so a restart pays the tracing, not the C++ compiles.
 """
 
@@ -65,29 +65,41 @@ def _own_step(model: DeepseekForCausalLM):
     return types.FunctionType(code, decode_step.__globals__, decode_step.__name__).__get__(model)
 
 
+def _same_constant(a, a2) -> bool:
+    """Two recorded arguments that are one constant: a size of the graph's (an int), or a
+    float of the model's (routed_scaling_factor) that a dynamic graph takes per call as a new
+    0-d tensor."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(a2, torch.Tensor) and a.dim() == a2.dim() == 0 and a.dtype == a2.dtype and torch.equal(a, a2)
+    return type(a) is type(a2) is int and a == a2
+
+
 class Replay:
-    """One static graph called directly: inductor's compiled callable with its argument list
-    recorded once (weights, packed copies, cache views) and the step's five tensors and table
+    """One graph called directly: inductor's compiled callable with its argument list recorded
+    once (weights, packed copies, cache views, sizes) and the step's five tensors and table
     width put in their places. That skips Dynamo's frame hook, guard check and argument
     gathering and AOTAutograd's runtime wrappers: measured 0.36 -> 0.26 ms a call at batch 1
-    (bundled model, bfloat16). What those guards checked, the runner guarantees: contiguous
-    int64 inputs of the bucket's shapes under inference mode, weights changed in place only;
-    the cache views are checked on every call (a runner that re-binds them drops the replays).
+    (bundled model, bfloat16). A replay serves one batch size: the dynamic graph's guards pick
+    among its graphs by batch size, and recording every size at warm-up settles that choice
+    once. What the guards checked, the runner guarantees: contiguous int64 inputs of the
+    recorded shapes under inference mode, weights changed in place only; the cache views are
+    checked on every call (a runner that re-binds them drops the replays).
 
-    Recording rests on inductor's CompiledFxGraph (what torch.compile runs last); `record`
-    returns None, and the step keeps the torch.compile path, where it cannot vouch for the
-    recording: not exactly one graph call, a step tensor at two places, an integer argument
-    other than the table width, or outputs that differ from the compiled path's."""
+    Recording rests on inductor's CompiledFxGraph (what torch.compile runs last) and two
+    steps of one batch size at different table widths; `record` returns None, and the size
+    keeps the torch.compile path, where it cannot vouch for the recording: not one graph call
+    a step, the two steps in different graphs, an argument other than the step's tensors and
+    the width that differs between them, or a replay whose outputs differ from the compiled
+    path's."""
 
     def __init__(self, fn, args: list, places: list[tuple[int, int]], width_places: list[int], layers: list):
         self.fn, self.args, self.places, self.width_places = fn, args, places, width_places
         self.bound = [(attn, attn.kv_cache) for attn in layers]  # each attention layer and its cache view
         self.widths: dict[int, torch.Tensor] = {}  # table width -> the 0-d tensor the callable takes for it
 
-    @classmethod
-    def record(cls, compiled, model: DeepseekForCausalLM, inputs: tuple[torch.Tensor, ...], width: int):
-        """Run compiled (the torch.compile'd step) on inputs (ids, positions, slots, tables,
-        lens) under a ForwardContext, recording the graph call; then replay it and compare."""
+    @staticmethod
+    def _spy(compiled, inputs: tuple[torch.Tensor, ...]):
+        """compiled(*inputs), and the (callable, arguments) of each inductor graph it ran."""
         from torch._inductor.output_code import CompiledFxGraph
 
         calls = []
@@ -99,25 +111,37 @@ class Replay:
 
         CompiledFxGraph.__call__ = spy
         try:
-            want = compiled(*inputs)
+            return compiled(*inputs), calls
         finally:
             CompiledFxGraph.__call__ = call
-        if len(calls) != 1:
+
+    @classmethod
+    def record(cls, compiled, model: DeepseekForCausalLM, steps: list[tuple[torch.Tensor, ...]]):
+        """Run compiled (the torch.compile'd step) on two steps (ids, positions, slots, tables,
+        lens) of one batch size and different table widths, recording the graph calls; then
+        replay the second and compare."""
+        runs = [cls._spy(compiled, inputs) for inputs in steps]
+        if any(len(calls) != 1 for _, calls in runs):
             return None
-        fn, args = calls[0]
-        where = {id(t): i for i, t in enumerate(inputs)}
+        (fn, args), (fn2, args2) = runs[0][1][0], runs[1][1][0]
+        if fn2 is not fn or len(args2) != len(args):
+            return None
+        where = [{id(t): i for i, t in enumerate(inputs)} for inputs in steps]
+        widths = [inputs[3].shape[1] for inputs in steps]
         places, width_places = [], []
-        for j, a in enumerate(args):
-            if isinstance(a, torch.Tensor) and id(a) in where:
-                places.append((j, where[id(a)]))
-            elif not isinstance(a, torch.Tensor):
-                if a != width:
+        for j, (a, a2) in enumerate(zip(args, args2)):
+            if isinstance(a, torch.Tensor) and id(a) in where[0]:
+                if where[1].get(id(a2)) != where[0][id(a)]:
                     return None
+                places.append((j, where[0][id(a)]))
+            elif not isinstance(a, torch.Tensor) and [a, a2] == widths:
                 width_places.append(j)
+            elif a is not a2 and not _same_constant(a, a2):
+                return None
         if len({i for _, i in places}) != len(places):
             return None
-        replay = cls(fn, args, places, width_places, model.attention_layers())
-        got = replay(*inputs)
+        replay = cls(fn, args2, places, width_places, model.attention_layers())
+        got, want = replay(*steps[1]), runs[1][0]
         if len(got) != len(want) or not all(torch.equal(g, w) for g, w in zip(got, want)):
             return None
         return replay
@@ -154,7 +178,7 @@ class CompiledDecode:
         step = _own_step(model)
         self.static = torch.compile(step, dynamic=False, options=options())
         self.dynamic = torch.compile(step, dynamic=True, options=options())
-        self.replays: dict[int, Replay] = {}  # static bucket -> its graph, replayed directly
+        self.replays: dict[int, Replay] = {}  # batch size (padded) -> its graph, replayed directly
         self.compile_s = 0.0
         self.steps = 0  # decode steps served (warm-up included)
 
@@ -170,14 +194,17 @@ class CompiledDecode:
             self.replays.clear()  # the cache views were re-bound: the compiled path recompiles
         return self._compiled(inputs, ctx)
 
-    def _compiled(self, inputs: tuple[torch.Tensor, ...], ctx: ForwardContext):
-        if inputs[0].shape[0] <= STATIC_BATCHES[-1]:
-            torch._dynamo.mark_dynamic(ctx.block_tables, 1)  # the one symbolic size of a static graph
+    def _compiled(self, inputs: tuple[torch.Tensor, ...], ctx: ForwardContext | None = None):
+        """The step through torch.compile; ctx None: a warm-up step's, built from inputs."""
+        ids, pos, slots, tables, lens = inputs
+        if ids.shape[0] <= STATIC_BATCHES[-1]:
+            torch._dynamo.mark_dynamic(tables, 1)  # the one symbolic size of a static graph
             forward = self.static
         else:
             forward = self.dynamic
+        ctx = ctx or ForwardContext([], [], slots, tables, ids.shape[0], lens, decode_only=True)
         with forward_context(ctx):
-            return forward(*inputs[:2])
+            return forward(ids, pos)
 
     def _dummy_step(self, b: int, width: int, device: torch.device):
         """A step of b padding rows (they write into the pad block), distinct tensors: aliasing
@@ -190,27 +217,25 @@ class CompiledDecode:
 
     @torch.inference_mode()
     def warm_up(self, max_batch: int, device: torch.device) -> float:
-        """Compile every static bucket up to max_batch and record its replay, then run every
-        larger size once: the dynamic graph's guards split the sizes where the model's
-        shape-chosen paths change (the MoE's, layers/experts.py), and a size whose guards
-        already hold costs one forward, not a compile, so no request meets a compile later
-        (one did, for 15 s, when the warm-up stepped over a range). Returns the seconds spent."""
+        """Compile every static bucket up to max_batch, then run every larger size: the
+        dynamic graph's guards split the sizes where the model's shape-chosen paths change (the
+        MoE's, layers/experts.py), and a size whose guards already hold costs a forward, not a
+        compile, so no request meets a compile later (one did, for 15 s, when the warm-up
+        stepped over a range). Each size's graph is then recorded for replay. Returns the
+        seconds spent."""
         t = time.perf_counter()
-        for b in STATIC_BATCHES:
-            if b > padded_batch(max_batch):
-                break
+        sizes = [b for b in STATIC_BATCHES if b <= padded_batch(max_batch)]
+        for b in sizes + list(range(STATIC_BATCHES[-1] + 1, max_batch + 1)):
             self(*self._dummy_step(b, MIN_TABLE_WIDTH, device))
-            # recorded at a width no fixed size of the graph has, so its integer argument is known
-            ids, pos, ctx = self._dummy_step(b, MIN_TABLE_WIDTH + 1, device)
-            replay = Replay.record(lambda *inputs: self._compiled(inputs, ctx), self.model,
-                                   (ids, pos, ctx.slot_mapping, ctx.block_tables, ctx.context_lens_tensor),
-                                   MIN_TABLE_WIDTH + 1)
+            steps = []
+            for width in (MIN_TABLE_WIDTH + 1, MIN_TABLE_WIDTH + 2):
+                ids, pos, ctx = self._dummy_step(b, width, device)
+                steps.append((ids, pos, ctx.slot_mapping, ctx.block_tables, ctx.context_lens_tensor))
+            replay = Replay.record(lambda *inputs: self._compiled(inputs), self.model, steps)
             if replay is None:
                 log.warning("decode step of %d: the compiled graph could not be recorded for replay; "
                             "it runs through torch.compile", b)
             else:
                 self.replays[b] = replay
-        for b in range(STATIC_BATCHES[-1] + 1, max_batch + 1):
-            self(*self._dummy_step(b, MIN_TABLE_WIDTH, device))
         self.compile_s = time.perf_counter() - t
         return self.compile_s
