@@ -65,6 +65,13 @@ def _own_step(model: DeepseekForCausalLM):
     return types.FunctionType(code, decode_step.__globals__, decode_step.__name__).__get__(model)
 
 
+def decode_context(inputs: tuple[torch.Tensor, ...]) -> ForwardContext:
+    """The ForwardContext of a decode-only step given as its five tensors (ids, positions,
+    slots, tables, lens)."""
+    ids, _, slots, tables, lens = inputs
+    return ForwardContext([], [], slots, tables, ids.shape[0], lens, decode_only=True)
+
+
 def _same_constant(a, a2) -> bool:
     """Two recorded arguments that are one constant: a size of the graph's (an int), or a
     float of the model's (routed_scaling_factor) that a dynamic graph takes per call as a new
@@ -196,24 +203,23 @@ class CompiledDecode:
 
     def _compiled(self, inputs: tuple[torch.Tensor, ...], ctx: ForwardContext | None = None):
         """The step through torch.compile; ctx None: a warm-up step's, built from inputs."""
-        ids, pos, slots, tables, lens = inputs
+        ids, pos, _, tables, _ = inputs
         if ids.shape[0] <= STATIC_BATCHES[-1]:
             torch._dynamo.mark_dynamic(tables, 1)  # the one symbolic size of a static graph
             forward = self.static
         else:
             forward = self.dynamic
-        ctx = ctx or ForwardContext([], [], slots, tables, ids.shape[0], lens, decode_only=True)
-        with forward_context(ctx):
+        with forward_context(ctx or decode_context(inputs)):
             return forward(ids, pos)
 
-    def _dummy_step(self, b: int, width: int, device: torch.device):
-        """A step of b padding rows (they write into the pad block), distinct tensors: aliasing
-        would be guarded on."""
+    def _dummy_step(self, b: int, width: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """The five tensors of a step of b padding rows (they write into the pad block),
+        distinct tensors: aliasing would be guarded on."""
         ids = torch.zeros(b, dtype=torch.long, device=device)
         tables = torch.full((b, width), self.pad_block, dtype=torch.long, device=device)
         lens = torch.ones(b, dtype=torch.long, device=device)
         slots = torch.full((b,), self.pad_block * self.block_size, dtype=torch.long, device=device)
-        return ids, torch.zeros_like(ids), ForwardContext([], [], slots, tables, b, lens, decode_only=True)
+        return ids, torch.zeros_like(ids), slots, tables, lens
 
     @torch.inference_mode()
     def warm_up(self, max_batch: int, device: torch.device) -> float:
@@ -226,11 +232,9 @@ class CompiledDecode:
         t = time.perf_counter()
         sizes = [b for b in STATIC_BATCHES if b <= padded_batch(max_batch)]
         for b in sizes + list(range(STATIC_BATCHES[-1] + 1, max_batch + 1)):
-            self(*self._dummy_step(b, MIN_TABLE_WIDTH, device))
-            steps = []
-            for width in (MIN_TABLE_WIDTH + 1, MIN_TABLE_WIDTH + 2):
-                ids, pos, ctx = self._dummy_step(b, width, device)
-                steps.append((ids, pos, ctx.slot_mapping, ctx.block_tables, ctx.context_lens_tensor))
+            inputs = self._dummy_step(b, MIN_TABLE_WIDTH, device)
+            self(*inputs[:2], decode_context(inputs))
+            steps = [self._dummy_step(b, width, device) for width in (MIN_TABLE_WIDTH + 1, MIN_TABLE_WIDTH + 2)]
             replay = Replay.record(lambda *inputs: self._compiled(inputs), self.model, steps)
             if replay is None:
                 log.warning("decode step of %d: the compiled graph could not be recorded for replay; "
