@@ -42,7 +42,7 @@ class ScheduledRequest:
     sample: bool  # this step reaches the last known token: sample the next one
     params: SamplingParams | None = None  # when sample
     prompt_token_ids: list[int] | None = None  # when sample with penalties
-    output_token_ids: list[int] | None = None
+    output_token_ids: list[int] | None = None  # when sample with penalties or min_tokens (it masks by their count)
     eos_token_ids: tuple[int, ...] = ()
     # prompt logprobs asked (N, the top count): logits at every position of this chunk, and the
     # prompt tokens they predict (token at start_pos + 1 ...; shorter than token_ids at the prompt's end)
@@ -220,10 +220,11 @@ class Scheduler:
         start = req.num_computed_tokens
         sample = start + n == req.num_tokens
         penalties = sample and req.params.has_penalties
+        counted = penalties or (sample and req.params.min_tokens > 0)
         s = ScheduledRequest(
             req.request_id, req.token_ids_between(start, start + n) + list(drafts), start, list(req.block_table), sample,
             req.params if sample else None,
-            req.prompt_token_ids if penalties else None, req.output_token_ids if penalties else None,
+            req.prompt_token_ids if penalties else None, req.output_token_ids if counted else None,
             req.eos_token_ids if sample else (), num_draft=len(drafts), spec=sample and self._speculates(req),
             next_token_id=None if sample or not self.num_spec_tokens else req.token_ids_between(start + n, start + n + 1)[0])
         if req.prompt_logprobs is not None and start < len(req.prompt_token_ids):

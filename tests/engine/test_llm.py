@@ -57,6 +57,18 @@ def test_stop_token_ids_and_max_tokens(llm):
     assert short[0].outputs[0].finish_reason == "length" and len(short[0].outputs[0].token_ids) == 3
 
 
+def test_min_tokens_masks_stops_only_until_reached(llm):
+    """min_tokens=1 masks the stop ids at the first output position only: a stop token first
+    produced later still ends the output there (once the worker saw no output count without
+    penalties and masked the stop ids at every step)."""
+    full = llm.generate("def add", GREEDY, use_tqdm=False)[0].outputs[0]
+    stop_tok = next(t for t in full.token_ids if t != full.token_ids[0])  # first produced at position >= 1
+    first = full.token_ids.index(stop_tok)
+    out = llm.generate("def add", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, min_tokens=1,
+                                                 stop_token_ids=[stop_tok]), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == full.token_ids[:first + 1] and out.finish_reason == "stop"
+
+
 def test_stop_string_truncates_text(llm):
     full = llm.generate("class", GREEDY, use_tqdm=False)[0].outputs[0]
     stop = full.text[6:9]
