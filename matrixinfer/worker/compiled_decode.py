@@ -51,10 +51,11 @@ def _guards_to_keep(entries) -> list[bool]:
 
 
 def decode_step(model: DeepseekForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor):
-    """What a graph computes: the final hidden states and the logits of every row (the head
-    inside the graph is one call fewer from Python each step)."""
+    """What a graph computes: the final hidden states, the logits of every row and their
+    argmax (the head and the greedy pick inside the graph: a greedy row needs no sampler)."""
     hidden = model.forward(input_ids, positions)
-    return hidden, model.compute_logits(hidden)
+    logits = model.compute_logits(hidden)
+    return hidden, logits, logits.argmax(dim=-1)
 
 
 def _own_step(model: DeepseekForCausalLM):
@@ -191,7 +192,7 @@ class CompiledDecode:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext):
         """input_ids [padded_batch(n)]: the runner pads small batches (ModelRunner.prepare).
-        Returns (hidden states, logits), one row per input."""
+        Returns (hidden states, logits, greedy tokens), one row per input."""
         self.steps += 1
         inputs = (input_ids, positions, ctx.slot_mapping, ctx.block_tables, ctx.context_lens_tensor)
         replay = self.replays.get(input_ids.shape[0])

@@ -28,7 +28,7 @@ from matrixinfer.engine.scheduler import ModelRunnerOutput, ScheduledRequest, Sc
 from matrixinfer.model.context import forward_context
 from matrixinfer.parallel.ep_comm import EPDispatcher
 from matrixinfer.parallel.state import ParallelGroup
-from matrixinfer.worker.model_runner import ModelRunner
+from matrixinfer.worker.model_runner import ModelRunner, StepOutput
 
 
 class RequestPlacement:
@@ -75,7 +75,7 @@ class DataParallelRunner(ModelRunner):
         return out
 
     @torch.inference_mode()
-    def run_step(self, reqs: list[ScheduledRequest], num_decode: int) -> tuple[torch.Tensor, None]:
+    def run_step(self, reqs: list[ScheduledRequest], num_decode: int) -> StepOutput:
         owners = self.placement.place(reqs)
         me, size = self.group.rank, self.group.size
         per_rank = [[(r, i < num_decode) for i, (r, o) in enumerate(zip(reqs, owners)) if o == rank]
@@ -101,7 +101,7 @@ class DataParallelRunner(ModelRunner):
             n = len(r.token_ids)
             rows.append(gathered[o, used[o]: used[o] + n])
             used[o] += n
-        return torch.cat(rows), None
+        return StepOutput(torch.cat(rows))
 
 
 def run_microbatches(parts: list, caps: list[int], dispatcher: EPDispatcher) -> list[torch.Tensor]:

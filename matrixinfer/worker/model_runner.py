@@ -4,6 +4,8 @@ the process boundary when ranks are processes."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from matrixinfer.engine.request import Logprob, PromptLogprobs
@@ -12,7 +14,7 @@ from matrixinfer.kernels import argmax_rows, load_cpu_ops
 from matrixinfer.model.context import ForwardContext, forward_context
 from matrixinfer.model.deepseek import DeepseekForCausalLM
 from matrixinfer.worker.compiled_decode import MIN_TABLE_WIDTH, CompiledDecode, padded_batch
-from matrixinfer.worker.sampler import SamplingRow, sample
+from matrixinfer.worker.sampler import SamplingRow, sample, takes_argmax
 from matrixinfer.worker.spec_decode import SpecBatch, add_decode_queries, draft_context, verify
 
 
@@ -23,6 +25,14 @@ def prepare_small_mm(model: DeepseekForCausalLM) -> None:
             module.quant_method.pack_small_mm(module)
     for attn in model.attention_layers():
         attn.prepare_absorbed()
+
+
+class StepOutput(NamedTuple):
+    """The model over one step: final hidden states [tokens, hidden]; where a compiled decode
+    step ran, also every row's logits and their argmax, computed inside its graph."""
+    hidden: torch.Tensor
+    logits: torch.Tensor | None = None
+    greedy: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -82,16 +92,12 @@ class ModelRunner:
             slots += [pad_block * bs] * pad
             context_lens += [1] * pad
         dev = self.device
-        ctx = ForwardContext(
-            query_lens=query_lens, context_lens=context_lens,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.long, device=dev),
-            num_decode_seqs=num_decode,
-            context_lens_tensor=torch.tensor(context_lens, dtype=torch.long, device=dev),
-            decode_only=decode_only,
-        )
-        return (torch.tensor(input_ids, dtype=torch.long, device=dev),
-                torch.tensor(positions, dtype=torch.long, device=dev), ctx)
+        ids, pos, slot_t, lens_t, table_t = (torch.tensor(x, dtype=torch.long, device=dev)
+                                             for x in (input_ids, positions, slots, context_lens, tables))
+        ctx = ForwardContext(query_lens=query_lens, context_lens=context_lens, slot_mapping=slot_t,
+                             block_tables=table_t, num_decode_seqs=num_decode, context_lens_tensor=lens_t,
+                             decode_only=decode_only)
+        return ids, pos, ctx
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput, skip: set[str] = frozenset(),
@@ -107,19 +113,27 @@ class ModelRunner:
         if self.num_spec_tokens:
             return self._execute_spec(reqs, num_decode, skip, driver)
         sampling = [(i, r) for i, r in enumerate(reqs) if r.sample]
-        hidden_all, logits = self.run_step(reqs, num_decode)
+        step = self.run_step(reqs, num_decode)
         if not driver:
             return None
+        hidden_all, logits = step.hidden, step.logits
         prompt_logprobs = self.prompt_logprobs(reqs, hidden_all)
         if not sampling:
             return ModelRunnerOutput([], [], failed_kv_load_request_ids=set(skip), prompt_logprobs=prompt_logprobs)
-        if len(sampling) == len(reqs) == hidden_all.shape[0]:  # one row per request, all sampled (decode)
+        ids = [r.request_id for _, r in sampling]
+        n = len(reqs)
+        if len(sampling) == n == hidden_all.shape[0]:  # one row per request, all sampled (decode)
             hidden = hidden_all
+            if step.greedy is not None and all(takes_argmax(r.params, r.output_token_ids) for r in reqs):
+                # the graph's argmax is what the sampler would pick: no sampler call
+                return ModelRunnerOutput(ids, step.greedy.tolist()[:n], None, set(skip),
+                                         hidden.cpu() if sched.return_hidden_states else None, prompt_logprobs)
+            logits = logits[:n] if logits is not None else None
         else:
             hidden, logits = hidden_all[self._last_rows(reqs)[[i for i, _ in sampling]]], None
         out = self._sample(self.model.compute_logits(hidden) if logits is None else logits, [r for _, r in sampling])
         tokens = out.token_ids.tolist()
-        return ModelRunnerOutput([r.request_id for _, r in sampling], tokens, self._logprobs(out, tokens, sampling),
+        return ModelRunnerOutput(ids, tokens, self._logprobs(out, tokens, sampling),
                                  set(skip), hidden.cpu() if sched.return_hidden_states else None, prompt_logprobs)
 
     def _sample(self, logits: torch.Tensor, reqs: list[ScheduledRequest]):
@@ -203,20 +217,20 @@ class ModelRunner:
                                  draft_token_ids=[by_index[i][1] for i in order])
 
     @torch.inference_mode()
-    def run_step(self, reqs: list[ScheduledRequest], num_decode: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The model over one step's tokens: final hidden states [tokens, hidden], and the
-        logits of every row where a compiled decode step computed them inside its graph (else
-        None). Runners of other parallel layouts override this."""
+    def run_step(self, reqs: list[ScheduledRequest], num_decode: int) -> StepOutput:
+        """The model over one step's tokens. A compiled decode step's outputs keep their
+        padding rows (the caller takes the first len(reqs)). Runners of other parallel layouts
+        override this."""
         ids, pos, ctx = self.prepare(reqs, num_decode)
         if ctx.decode_only and self.compiled_decode is not None:
-            hidden, logits = self.compiled_decode(ids, pos, ctx)
-            return hidden[: len(reqs)], logits[: len(reqs)]  # without the padding rows
+            hidden, logits, greedy = self.compiled_decode(ids, pos, ctx)
+            return StepOutput(hidden if hidden.shape[0] == len(reqs) else hidden[: len(reqs)], logits, greedy)
         with forward_context(ctx):
-            return self.model(ids, pos), None
+            return StepOutput(self.model(ids, pos))
 
     def run(self, reqs: list[ScheduledRequest], num_decode: int) -> torch.Tensor:
         """run_step's hidden states."""
-        return self.run_step(reqs, num_decode)[0]
+        return self.run_step(reqs, num_decode).hidden
 
     @torch.inference_mode()
     def forward(self, reqs: list[ScheduledRequest], num_decode: int, logit_rows: list[int]) -> torch.Tensor:

@@ -106,6 +106,13 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
     return logits
 
 
+def takes_argmax(params: SamplingParams, output_token_ids: list[int] | None) -> bool:
+    """sample() gives this row the argmax of its raw logits: greedy, no logprobs, nothing for
+    process_logits to do (no logit bias, no penalties, min_tokens reached)."""
+    return (params.greedy and params.logprobs is None and not params.logit_bias and not params.has_penalties
+            and len(output_token_ids or ()) >= params.min_tokens)
+
+
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
     logits = logits.float()
     num_logprobs = [r.params.logprobs for r in rows if r.params.logprobs is not None]

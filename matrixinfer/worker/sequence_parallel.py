@@ -27,7 +27,7 @@ from matrixinfer.parallel.ep_comm import EPDispatcher
 from matrixinfer.parallel.sequence import SequenceShards, SPStats
 from matrixinfer.parallel.state import ParallelGroup
 from matrixinfer.worker.data_parallel import run_microbatches, split_microbatches
-from matrixinfer.worker.model_runner import ModelRunner
+from matrixinfer.worker.model_runner import ModelRunner, StepOutput
 
 
 class SequenceParallelRunner(ModelRunner):
@@ -38,7 +38,7 @@ class SequenceParallelRunner(ModelRunner):
         self.stats = SPStats()  # exchange waits and bytes of the attention redistributions
 
     @torch.inference_mode()
-    def run_step(self, reqs: list[ScheduledRequest], num_decode: int) -> tuple[torch.Tensor, None]:
+    def run_step(self, reqs: list[ScheduledRequest], num_decode: int) -> StepOutput:
         rows = [(r, i < num_decode) for i, r in enumerate(reqs)]
         parts, caps, shards = [], [], []
         for mb in split_microbatches(rows, self.microbatches):
@@ -50,4 +50,4 @@ class SequenceParallelRunner(ModelRunner):
             caps.append(sp.shard)
             shards.append(sp)
         hidden = run_microbatches(parts, caps, self.dispatcher)
-        return torch.cat([sp.gather_rows(h) for sp, h in zip(shards, hidden)]), None
+        return StepOutput(torch.cat([sp.gather_rows(h) for sp, h in zip(shards, hidden)]))

@@ -5,6 +5,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from matrixinfer.engine.scheduler import ScheduledRequest
+from matrixinfer.kernels import argmax_rows
 from matrixinfer.model.loader import load_model
 from matrixinfer.worker import compiled_decode
 from matrixinfer.worker.compiled_decode import STATIC_BATCHES, padded_batch
@@ -23,8 +24,8 @@ def test_compiled_decode_equals_eager_without_graph_breaks(tmp_path, monkeypatch
     to a static bucket, 12 runs the dynamic graph; each expert path: gathered pairs, every
     expert) give the eager runner's hidden states (float32, 1e-5) and write the same latents;
     the padding rows write only into the pad block, past the blocks the KV manager hands out;
-    the logits computed inside the graph equal the eager head's. Every size's graph runs as a
-    replay (called past torch.compile's wrappers) and gives way to the compiled path when the
+    the logits computed inside the graph equal the eager head's and its argmax is the sampler's
+    greedy pick. Every size's graph runs as a replay (called past torch.compile's wrappers) and gives way to the compiled path when the
     cache views are re-bound.
     One graph per bucket, all compiled by the warm-up: no graph breaks (so no host syncs in
     the MoE) and no recompiles while serving, also when the block tables widen; every batch
@@ -64,12 +65,15 @@ def test_compiled_decode_equals_eager_without_graph_breaks(tmp_path, monkeypatch
             table, order = order[: -(-n // bs)], order[-(-n // bs):]
             reqs.append(ScheduledRequest(f"r{i}", [int(torch.randint(0, model.config.vocab_size, (1,),
                                                                          generator=g))], n - 1, table, True))
-        out, logits = compiled.run_step(reqs, num_decode=b)
+        out, logits, greedy = compiled.run_step(reqs, num_decode=b)
         ref = eager.run(reqs, num_decode=b)
         assert out.shape == ref.shape == (b, model.config.hidden_size)
         assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5), (b, (out - ref).abs().max())
-        with torch.inference_mode():  # the head ran inside the graph
-            assert torch.allclose(logits, eager.model.compute_logits(ref), rtol=1e-5, atol=1e-5)
+        with torch.inference_mode():  # the head and the greedy pick ran inside the graph
+            ref_logits = eager.model.compute_logits(ref)
+            assert torch.allclose(logits[:b], ref_logits, rtol=1e-5, atol=1e-5)
+            assert torch.equal(greedy[:b], argmax_rows(ref_logits))
+            assert torch.equal(greedy, argmax_rows(logits))
         # the same latents written, and nothing outside the pad block by the padding rows
         assert torch.allclose(compiled.kv_cache[:, :blocks], eager.kv_cache, rtol=1e-5, atol=1e-5)
         if b == padded_batch(b):
