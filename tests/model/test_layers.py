@@ -320,12 +320,18 @@ def test_interleaved_rope_eager_equals_the_strided_form_compiled_graphs_read(mon
     assert torch.allclose(eager.float(), torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1), rtol=2e-2, atol=2e-2)
 
 
-def test_grouped_experts_pad_each_group_to_gemm_rows():
+def test_grouped_experts_pad_each_group_to_gemm_rows(monkeypatch):
     """Eager bfloat16 grouped expert GEMMs on the CPU pad every expert's group to gemm_rows
-    (uneven groups, an empty one included) and return exactly the rows of the unpadded
-    grouped matmul; _pad_groups places each row after its group's padded start."""
+    (uneven groups, an empty one included) and return the rows of the unpadded grouped matmul
+    (within 1 % of the outputs' scale: oneDNN may block other row counts differently);
+    _pad_groups places each row after its group's padded start. The products are kept in
+    bfloat16 as on CPUs where they stay so (an Intel CPU without AMX widens these to float32,
+    which pads nothing and is not what this checks)."""
     from matrixinfer.kernels import gemm_rows
+    from matrixinfer.model.layers import quantization
     from matrixinfer.model.layers.quantization import _grouped_swiglu, _pad_groups
+
+    monkeypatch.setattr(quantization, "gemm_dtype", lambda dtype, *args, **kwargs: dtype)
 
     if not load_cpu_ops():
         pytest.skip("no C++ compiler to build the grouped matmul operator")
@@ -342,4 +348,4 @@ def test_grouped_experts_pad_each_group_to_gemm_rows():
         experts.w2_weight.normal_(generator=G)
         out = experts.quant_method.apply_grouped_mm(experts, xs, offs)
         ref = _grouped_swiglu(xs, experts.w13_weight, experts.w2_weight, offs)
-    assert out.shape == ref.shape and torch.allclose(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
+    assert out.shape == ref.shape and (out.float() - ref.float()).abs().max() <= 1e-2 * ref.float().abs().max()
