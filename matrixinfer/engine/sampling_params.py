@@ -84,3 +84,9 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1.0
+
+    def logits_alone(self, num_output_tokens: int) -> bool:
+        """Sampling the next token (after num_output_tokens) depends on nothing but the raw
+        logits: no logprobs, penalties or logit bias, and min_tokens reached (nothing masked)."""
+        return (self.logprobs is None and not self.has_penalties and not self.logit_bias
+                and num_output_tokens >= self.min_tokens)

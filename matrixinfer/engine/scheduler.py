@@ -212,9 +212,7 @@ class Scheduler:
     def _speculates(self, req: Request) -> bool:
         """Whether req samples by verification and drafting: sampling that depends on nothing
         but the logits (logprobs, penalties, logit bias and min_tokens take the plain sampler)."""
-        p = req.params
-        return (self.num_spec_tokens > 0 and p.logprobs is None and not p.has_penalties and not p.logit_bias
-                and len(req.output_token_ids) >= p.min_tokens)
+        return self.num_spec_tokens > 0 and req.params.logits_alone(len(req.output_token_ids))
 
     def _scheduled(self, req: Request, n: int, drafts: list[int] = ()) -> ScheduledRequest:
         start = req.num_computed_tokens

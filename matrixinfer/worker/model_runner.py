@@ -92,12 +92,16 @@ class ModelRunner:
             slots += [pad_block * bs] * pad
             context_lens += [1] * pad
         dev = self.device
-        ids, pos, slot_t, lens_t, table_t = (torch.tensor(x, dtype=torch.long, device=dev)
-                                             for x in (input_ids, positions, slots, context_lens, tables))
-        ctx = ForwardContext(query_lens=query_lens, context_lens=context_lens, slot_mapping=slot_t,
-                             block_tables=table_t, num_decode_seqs=num_decode, context_lens_tensor=lens_t,
-                             decode_only=decode_only)
-        return ids, pos, ctx
+        ctx = ForwardContext(
+            query_lens=query_lens, context_lens=context_lens,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.long, device=dev),
+            num_decode_seqs=num_decode,
+            context_lens_tensor=torch.tensor(context_lens, dtype=torch.long, device=dev),
+            decode_only=decode_only,
+        )
+        return (torch.tensor(input_ids, dtype=torch.long, device=dev),
+                torch.tensor(positions, dtype=torch.long, device=dev), ctx)
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput, skip: set[str] = frozenset(),
@@ -120,20 +124,21 @@ class ModelRunner:
         prompt_logprobs = self.prompt_logprobs(reqs, hidden_all)
         if not sampling:
             return ModelRunnerOutput([], [], failed_kv_load_request_ids=set(skip), prompt_logprobs=prompt_logprobs)
-        ids = [r.request_id for _, r in sampling]
         n = len(reqs)
         if len(sampling) == n == hidden_all.shape[0]:  # one row per request, all sampled (decode)
             hidden = hidden_all
-            if step.greedy is not None and all(takes_argmax(r.params, r.output_token_ids) for r in reqs):
-                # the graph's argmax is what the sampler would pick: no sampler call
-                return ModelRunnerOutput(ids, step.greedy.tolist()[:n], None, set(skip),
-                                         hidden.cpu() if sched.return_hidden_states else None, prompt_logprobs)
             logits = logits[:n] if logits is not None else None
         else:
             hidden, logits = hidden_all[self._last_rows(reqs)[[i for i, _ in sampling]]], None
-        out = self._sample(self.model.compute_logits(hidden) if logits is None else logits, [r for _, r in sampling])
-        tokens = out.token_ids.tolist()
-        return ModelRunnerOutput(ids, tokens, self._logprobs(out, tokens, sampling),
+        if logits is not None and step.greedy is not None and all(takes_argmax(r.params, r.output_token_ids)
+                                                                  for r in reqs):
+            tokens, logprobs = step.greedy.tolist()[:n], None  # the sampler would pick the graph's argmax
+        else:
+            out = self._sample(self.model.compute_logits(hidden) if logits is None else logits,
+                               [r for _, r in sampling])
+            tokens = out.token_ids.tolist()
+            logprobs = self._logprobs(out, tokens, sampling)
+        return ModelRunnerOutput([r.request_id for _, r in sampling], tokens, logprobs,
                                  set(skip), hidden.cpu() if sched.return_hidden_states else None, prompt_logprobs)
 
     def _sample(self, logits: torch.Tensor, reqs: list[ScheduledRequest]):
@@ -218,13 +223,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_step(self, reqs: list[ScheduledRequest], num_decode: int) -> StepOutput:
-        """The model over one step's tokens. A compiled decode step's outputs keep their
-        padding rows (the caller takes the first len(reqs)). Runners of other parallel layouts
-        override this."""
+        """The model over one step's tokens. A compiled decode step's logits and greedy tokens
+        keep its padding rows (the caller takes the first len(reqs)). Runners of other parallel
+        layouts override this."""
         ids, pos, ctx = self.prepare(reqs, num_decode)
         if ctx.decode_only and self.compiled_decode is not None:
             hidden, logits, greedy = self.compiled_decode(ids, pos, ctx)
-            return StepOutput(hidden if hidden.shape[0] == len(reqs) else hidden[: len(reqs)], logits, greedy)
+            return StepOutput(hidden[: len(reqs)], logits, greedy)
         with forward_context(ctx):
             return StepOutput(self.model(ids, pos))
 

@@ -107,10 +107,9 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
 
 
 def takes_argmax(params: SamplingParams, output_token_ids: list[int] | None) -> bool:
-    """sample() gives this row the argmax of its raw logits: greedy, no logprobs, nothing for
-    process_logits to do (no logit bias, no penalties, min_tokens reached)."""
-    return (params.greedy and params.logprobs is None and not params.logit_bias and not params.has_penalties
-            and len(output_token_ids or ()) >= params.min_tokens)
+    """sample() gives this row the argmax of its raw logits: greedy, with nothing for
+    process_logits to do and no logprobs to return."""
+    return params.greedy and params.logits_alone(len(output_token_ids or ()))
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
