@@ -172,11 +172,18 @@ class CacheConfig:
     kv_cache_memory_gb: float = 1.0
 
 
+AUTO_SCHEDULER_STEPS = 8  # measured: docs/architecture.md, "Multi-step decode"
+
+
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048  # token budget per step (prefill chunks + decodes)
     max_model_len: int | None = None
+    # decode steps per schedule when every running request decodes greedily and none waits
+    # (vLLM's multi-step scheduling): the worker feeds each step's tokens to the next on its own.
+    # None: AUTO_SCHEDULER_STEPS where the runner can (the compiled decode step), else 1
+    num_scheduler_steps: int | None = None
 
 
 @dataclass
@@ -295,6 +302,7 @@ class EngineConfig:
         "max_num_seqs": ("scheduler", "max_num_seqs"),
         "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
         "max_model_len": ("scheduler", "max_model_len"),
+        "num_scheduler_steps": ("scheduler", "num_scheduler_steps"),
         "tensor_parallel_size": ("parallel", "tensor_parallel_size"),
         "expert_parallel_size": ("parallel", "expert_parallel_size"),
         "data_parallel_size": ("parallel", "data_parallel_size"),
@@ -359,9 +367,31 @@ class EngineConfig:
             raise ValueError(f"unknown speculative method {self.speculative.method!r} (supported: mtp)")
         if self.speculative.method == "mtp" and self.speculative.num_speculative_tokens < 1:
             raise ValueError("speculative method mtp needs num_speculative_tokens >= 1")
+        steps = self.scheduler.num_scheduler_steps
+        if steps is not None and steps < 1:
+            raise ValueError(f"num_scheduler_steps must be >= 1, got {steps}")
+        if steps is not None and steps > 1 and not self.multi_step_capable:
+            raise ValueError("num_scheduler_steps > 1 needs the compiled decode step: not with enforce_eager, "
+                             "speculative decoding, expert parallelism or prefill_parallel sp-tp-sp")
         if self.quantization.method not in (None, "w8a8", "compressed-tensors"):
             raise ValueError(f"unknown quantization {self.quantization.method!r} (w8a8, compressed-tensors); a "
                              "quantized checkpoint is detected from its config.json")
+
+    @property
+    def multi_step_capable(self) -> bool:
+        """The runner this config builds decodes on the compiled step (worker._make_runner),
+        which runs several decode steps per schedule."""
+        par = self.parallel
+        return not (self.enforce_eager or self.speculative.num_draft_tokens or par.expert_parallel_size > 1
+                    or par.sequence_parallel)
+
+    @property
+    def decode_steps(self) -> int:
+        """Decode steps per schedule (SchedulerConfig.num_scheduler_steps resolved)."""
+        steps = self.scheduler.num_scheduler_steps
+        if steps is None:
+            return AUTO_SCHEDULER_STEPS if self.multi_step_capable else 1
+        return steps
 
     def _validate_expert_parallel(self, par: ParallelConfig) -> None:
         if par.dispatch_dtype not in ("auto", "int8", "bfloat16", "float32"):
@@ -404,6 +434,9 @@ class EngineConfig:
         p.add_argument("--no-prefix-caching", action="store_true")
         p.add_argument("--max-num-seqs", type=int, default=64)
         p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
+        p.add_argument("--num-scheduler-steps", type=int, default=None,
+                       help="decode steps per schedule while every request decodes greedily and none waits "
+                            f"(default: {AUTO_SCHEDULER_STEPS} with the compiled decode step, else 1)")
         p.add_argument("--max-model-len", type=int, default=None)
         p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
         p.add_argument("--expert-parallel-size", "-ep", type=int, default=1,
@@ -480,6 +513,7 @@ class EngineConfig:
                   prefill_parallel=getattr(args, "prefill_parallel", None),
                   prefill_parallel_size=getattr(args, "prefill_parallel_size", 1),
                   max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                  num_scheduler_steps=getattr(args, "num_scheduler_steps", None),
                   distributed_executor_backend=args.distributed_executor_backend, kv_transfer_config=kv,
                   load_format=args.load_format, model_source_mbps=args.model_source_mbps)
         if args.no_prefix_caching:  # on by default, off by default with expert parallelism

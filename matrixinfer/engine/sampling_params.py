@@ -90,3 +90,9 @@ class SamplingParams:
         logits: no logprobs, penalties or logit bias, and min_tokens reached (nothing masked)."""
         return (self.logprobs is None and not self.has_penalties and not self.logit_bias
                 and num_output_tokens >= self.min_tokens)
+
+    def takes_argmax(self, num_output_tokens: int) -> bool:
+        """The sampler gives this request the argmax of its raw logits: greedy, with nothing
+        masked, biased or penalised and no logprobs to return (what a compiled decode graph's
+        own greedy pick, and a multi-step decode, stand in for)."""
+        return self.greedy and self.logits_alone(num_output_tokens)

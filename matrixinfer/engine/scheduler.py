@@ -17,6 +17,14 @@ drafts) and slots for them plus k - 1 lookahead slots (the recursive drafts writ
 workers return the accepted drafts and one token of the target's own; the computed count then
 covers only the accepted tokens, so a rejected position's slot is simply written again next
 step and block names only ever cover accepted tokens.
+
+Multi-step decode (vLLM's multi-step scheduling): when every running request decodes by the
+raw argmax and none waits, one schedule covers k decode steps (SchedulerOutput.num_steps): each
+request gets slots for k tokens, the worker feeds each step's greedy tokens to the next without
+returning, and the k tokens come back as spec decode's accepted ones do (stops checked token by
+token, the rest dropped). What it saves is the host's work around a step (schedule, inputs,
+update, outputs: a quarter of a batch-1 step), k - 1 times of k; a request that arrives meanwhile
+waits at most k - 1 steps to join.
 """
 
 from __future__ import annotations
@@ -63,6 +71,7 @@ class SchedulerOutput:
     finished_request_ids: list[str] = field(default_factory=list)
     kv_connector_metadata: object | None = None
     return_hidden_states: bool = False  # speculative decoding (MTP) drafts from them
+    num_steps: int = 1  # > 1: every row decodes greedily for this many steps (multi-step decode)
 
     @property
     def num_tokens(self) -> int:
@@ -85,8 +94,9 @@ class ModelRunnerOutput:
 
 class Scheduler:
     def __init__(self, sched: SchedulerConfig, kv: KVCacheManager, max_model_len: int, connector=None,
-                 num_spec_tokens: int = 0):
+                 num_spec_tokens: int = 0, num_steps: int = 1):
         self.max_num_seqs, self.max_num_batched_tokens = sched.max_num_seqs, sched.max_num_batched_tokens
+        self.num_steps = num_steps  # decode steps per schedule at most (EngineConfig.decode_steps)
         self.num_spec_tokens = num_spec_tokens  # k drafts per decode step (0: no speculation)
         self.lookahead = max(0, num_spec_tokens - 1)  # slots past the step's tokens the drafts write
         self.max_model_len = max_model_len
@@ -142,6 +152,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: dict[str, int] = {}
         drafts: dict[str, list[int]] = {}
+        steps = self._multi_steps()
         # 1. running requests, oldest first; preempt from the tail when blocks run out
         for req in list(self.running):
             if req.status is not RequestStatus.RUNNING or budget == 0:  # preempted by an earlier one
@@ -150,6 +161,8 @@ class Scheduler:
             want = min(uncomputed, budget)
             d = drafts[req.request_id] = (self._drafts(req, budget - want)
                                           if self.num_spec_tokens and want == uncomputed == 1 else [])
+            if steps > 1 and not self.kv.allocate_slots(req, steps):
+                steps = 1  # no room for the lookahead: one step, no preemption for it (blocks taken stay in use)
             while not self.kv.allocate_slots(req, want + len(d) + self.lookahead):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -194,11 +207,27 @@ class Scheduler:
         out = SchedulerOutput([self._scheduled(r, scheduled[r.request_id], drafts.get(r.request_id, []))
                                for r in reqs],
                               num_decode=sum(1 for r in reqs if scheduled[r.request_id] == 1),
-                              finished_request_ids=self.finished_ids)
+                              finished_request_ids=self.finished_ids, num_steps=steps)
         self.finished_ids = []
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out, [self.requests[r.request_id] for r in out.requests])
         return out
+
+    def _multi_steps(self) -> int:
+        """The decode steps this schedule covers: num_steps when every running request decodes
+        one token by the raw argmax and none waits (a prompt would wait behind them), no more
+        than any request's room (max_tokens, the context); else 1."""
+        k = self.num_steps
+        if k == 1 or self.waiting or not self.running or len(self.running) > self.max_num_batched_tokens:
+            return 1
+        for req in self.running:
+            n_out = len(req.output_token_ids)
+            if req.num_uncomputed != 1 or not req.params.takes_argmax(n_out):
+                return 1
+            k = min(k, self.max_model_len - req.num_tokens)
+            if req.params.max_tokens is not None:
+                k = min(k, req.params.max_tokens - n_out)
+        return max(k, 1)
 
     def _drafts(self, req: Request, budget: int) -> list[int]:
         """The drafts a decode request verifies this step: its proposals, as many as fit the
@@ -232,7 +261,7 @@ class Scheduler:
 
     # -- update -----------------------------------------------------------------------------------
     def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        self.stats.steps += 1
+        self.stats.steps += sched.num_steps
         for s in sched.requests:
             req = self.requests.get(s.request_id)
             if req is None:
@@ -247,7 +276,7 @@ class Scheduler:
             req.num_external_tokens = 0
             n = len(s.token_ids) - s.num_draft  # the drafts count as computed once accepted
             is_decode = n == 1 and req.output_token_ids
-            self.stats.decode_tokens += n + s.num_draft if is_decode else 0
+            self.stats.decode_tokens += n + s.num_draft + sched.num_steps - 1 if is_decode else 0
             self.stats.prefill_tokens += 0 if is_decode else n
             req.num_computed_tokens += n
             self.kv.cache_full_blocks(req)

@@ -193,9 +193,13 @@ class CompiledDecode:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext):
         """input_ids [padded_batch(n)]: the runner pads small batches (ModelRunner.prepare).
         Returns (hidden states, logits, greedy tokens), one row per input."""
+        return self.run((input_ids, positions, ctx.slot_mapping, ctx.block_tables, ctx.context_lens_tensor), ctx)
+
+    def run(self, inputs: tuple[torch.Tensor, ...], ctx: ForwardContext | None = None):
+        """The step given as its five tensors (ids, positions, slots, tables, lens); ctx, when
+        the caller has it, spares building one on the compiled path."""
         self.steps += 1
-        inputs = (input_ids, positions, ctx.slot_mapping, ctx.block_tables, ctx.context_lens_tensor)
-        replay = self.replays.get(input_ids.shape[0])
+        replay = self.replays.get(inputs[0].shape[0])
         if replay is not None:
             if replay.valid():
                 return replay(*inputs)

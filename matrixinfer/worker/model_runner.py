@@ -14,7 +14,7 @@ from matrixinfer.kernels import argmax_rows, load_cpu_ops
 from matrixinfer.model.context import ForwardContext, forward_context
 from matrixinfer.model.deepseek import DeepseekForCausalLM
 from matrixinfer.worker.compiled_decode import MIN_TABLE_WIDTH, CompiledDecode, padded_batch
-from matrixinfer.worker.sampler import SamplingRow, sample, takes_argmax
+from matrixinfer.worker.sampler import SamplingRow, sample
 from matrixinfer.worker.spec_decode import SpecBatch, add_decode_queries, draft_context, verify
 
 
@@ -116,6 +116,8 @@ class ModelRunner:
         num_decode = sum(1 for r in reqs[: sched.num_decode] if len(r.token_ids) == 1 + r.num_draft)
         if self.num_spec_tokens:
             return self._execute_spec(reqs, num_decode, skip, driver)
+        if sched.num_steps > 1:
+            return self._execute_steps(reqs, sched.num_steps, skip, driver)
         sampling = [(i, r) for i, r in enumerate(reqs) if r.sample]
         step = self.run_step(reqs, num_decode)
         if not driver:
@@ -130,7 +132,7 @@ class ModelRunner:
             logits = logits[:n] if logits is not None else None
         else:
             hidden, logits = hidden_all[self._last_rows(reqs)[[i for i, _ in sampling]]], None
-        if logits is not None and step.greedy is not None and all(takes_argmax(r.params, r.output_token_ids)
+        if logits is not None and step.greedy is not None and all(r.params.takes_argmax(len(r.output_token_ids or ()))
                                                                   for r in reqs):
             tokens, logprobs = step.greedy.tolist()[:n], None  # the sampler would pick the graph's argmax
         else:
@@ -140,6 +142,42 @@ class ModelRunner:
             logprobs = self._logprobs(out, tokens, sampling)
         return ModelRunnerOutput([r.request_id for _, r in sampling], tokens, logprobs,
                                  set(skip), hidden.cpu() if sched.return_hidden_states else None, prompt_logprobs)
+
+    def _execute_steps(self, reqs: list[ScheduledRequest], k: int, skip, driver: bool):
+        """k decode steps of the compiled graph (SchedulerOutput.num_steps), each step's greedy
+        tokens the next one's inputs; the scheduler gave every row slots for k tokens and
+        schedules this only where the raw argmax is the sampler's pick. One transfer to the host
+        at the end, the k tokens per request returned as spec decode returns accepted ones."""
+        if self.compiled_decode is None or len(reqs) != sum(len(r.token_ids) for r in reqs):
+            raise ValueError("multi-step decode needs decode-only steps on the compiled decode graph")
+        ids, pos, ctx = self.prepare(reqs, len(reqs))
+        picks = [self.compiled_decode(ids, pos, ctx)[2]]
+        for pos, slots, lens in self._later_steps(reqs, k, ids.shape[0]):
+            picks.append(self.compiled_decode.run((picks[-1], pos, slots, ctx.block_tables, lens))[2])
+        if not driver:
+            return None
+        n = len(reqs)
+        new = torch.stack(picks, dim=1)[:n].tolist()
+        return ModelRunnerOutput([r.request_id for r in reqs], [t[0] for t in new], None, set(skip),
+                                 new_token_ids=new)
+
+    def _later_steps(self, reqs: list[ScheduledRequest], k: int, padded: int) -> list[tuple[torch.Tensor, ...]]:
+        """(positions, slots, context lengths) of decode steps 1 ... k-1, padding rows as
+        prepare makes them: views of one tensor made by two unbinds (an indexing op per view
+        cost 8 us, 27 us a step at batch 1), each 64-byte aligned like a tensor of its own (the
+        replayed graph skips inductor's alignment checks)."""
+        bs, pad_block = self.block_size, self.compiled_decode.pad_block
+        width = -(-padded // 8) * 8
+        host = torch.zeros(3, k - 1, width, dtype=torch.long)
+        host[1].fill_(pad_block * bs)
+        host[2].fill_(1)
+        pos, slots, lens = ([[0] * len(reqs) for _ in range(k - 1)] for _ in range(3))
+        for i, r in enumerate(reqs):
+            for step in range(1, k):
+                p = r.start_pos + step
+                pos[step - 1][i], slots[step - 1][i], lens[step - 1][i] = p, r.block_table[p // bs] * bs + p % bs, p + 1
+        host[:, :, :len(reqs)] = torch.tensor([pos, slots, lens])
+        return [step.unbind() for step in host.to(self.device)[:, :, :padded].transpose(0, 1).unbind()]
 
     def _sample(self, logits: torch.Tensor, reqs: list[ScheduledRequest]):
         rows = [SamplingRow(r.params, r.prompt_token_ids or [], r.output_token_ids or [], self._generator(r),

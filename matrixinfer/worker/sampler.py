@@ -106,12 +106,6 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
     return logits
 
 
-def takes_argmax(params: SamplingParams, output_token_ids: list[int] | None) -> bool:
-    """sample() gives this row the argmax of its raw logits: greedy, with nothing for
-    process_logits to do and no logprobs to return."""
-    return params.greedy and params.logits_alone(len(output_token_ids or ()))
-
-
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
     logits = logits.float()
     num_logprobs = [r.params.logprobs for r in rows if r.params.logprobs is not None]

@@ -2,7 +2,7 @@
 
 import torch
 
-from matrixinfer.worker.sampler import SamplingRow, filter_logits, sample, takes_argmax
+from matrixinfer.worker.sampler import SamplingRow, filter_logits, sample
 from matrixinfer.engine.sampling_params import SamplingParams
 
 LOGITS = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.1]))
@@ -93,13 +93,13 @@ def test_exponential_race_samples_the_filtered_distribution():
 
 def test_takes_argmax_only_where_the_sampler_would_take_the_raw_argmax():
     """The compiled decode step's in-graph argmax stands in for sample() exactly where
-    takes_argmax says so; every option that changes the pick, or asks for more, keeps the sampler."""
+    SamplingParams.takes_argmax says so; every option that changes the pick, or asks for more, keeps the sampler."""
     plain = dict(temperature=0, max_tokens=4)
-    assert takes_argmax(SamplingParams(**plain), None)
-    assert takes_argmax(SamplingParams(**plain, min_tokens=2), [5, 6])
-    for kw, out in [(dict(logprobs=0), None), (dict(logit_bias={3: 5.0}), None), (dict(repetition_penalty=1.2), None),
-                    (dict(presence_penalty=0.5), None), (dict(min_tokens=2), [5]), (dict(min_tokens=2), None)]:
-        assert not takes_argmax(SamplingParams(**{**plain, **kw}), out), kw
-    assert not takes_argmax(SamplingParams(temperature=0.8, max_tokens=4), None)
+    assert SamplingParams(**plain).takes_argmax(0)
+    assert SamplingParams(**plain, min_tokens=2).takes_argmax(2)
+    for kw, n_out in [(dict(logprobs=0), 0), (dict(logit_bias={3: 5.0}), 0), (dict(repetition_penalty=1.2), 0),
+                      (dict(presence_penalty=0.5), 0), (dict(min_tokens=2), 1), (dict(min_tokens=2), 0)]:
+        assert not SamplingParams(**{**plain, **kw}).takes_argmax(n_out), kw
+    assert not SamplingParams(temperature=0.8, max_tokens=4).takes_argmax(0)
     # where it says so, the sampler's pick is the raw argmax (eos 0 is the argmax here)
     assert _greedy(LOGITS, min_tokens=2, max_tokens=4, out=[1, 1]) == int(LOGITS.argmax())
