@@ -44,6 +44,7 @@ class EMSConnectorScheduler(KVConnectorScheduler):
         self._matched: dict[str, int] = {}  # request id -> matched tokens (lookups are network calls)
         self._pending: dict[str, list[tuple[int, str]]] = {}
         self._saved: OrderedDict[str, None] = OrderedDict()  # recently saved keys, not saved again
+        self._next_block: dict[str, int] = {}  # request id -> the first block its last step left incomplete
 
     def get_num_new_matched_tokens(self, req, num_computed_tokens: int) -> int:
         if req.request_id in self._matched:
@@ -75,10 +76,12 @@ class EMSConnectorScheduler(KVConnectorScheduler):
         loaded = {key for pages in meta.loads.values() for _, key in pages}
         for s, req in zip(scheduler_output.requests, requests):
             end = s.start_pos + len(s.token_ids) - s.num_draft  # drafts are not KV until accepted
-            first = s.start_pos // self.block_size
-            if s.spec and len(req.output_token_ids) > 1 and s.start_pos % self.block_size == 0:
-                first -= 1  # a block the last step's accepted drafts completed (saved once: see _saved)
-            full = range(first, end // self.block_size)  # blocks this step completes
+            # blocks completed since this request's last step: this step's, and those that the
+            # last step's accepted drafts or multi-step decode tokens completed (saved once: _saved)
+            first = min(self._next_block.get(s.request_id, s.start_pos // self.block_size),
+                        s.start_pos // self.block_size)
+            self._next_block[s.request_id] = end // self.block_size
+            full = range(first, end // self.block_size)
             if not full:
                 continue
             hashes = self.kv.request_block_hashes(req, full.stop)
@@ -97,6 +100,7 @@ class EMSConnectorScheduler(KVConnectorScheduler):
 
     def request_finished(self, req) -> bool:
         self._matched.pop(req.request_id, None)
+        self._next_block.pop(req.request_id, None)
         self._pending.pop(req.request_id, None)
         return False
 

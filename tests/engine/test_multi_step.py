@@ -120,3 +120,30 @@ def test_multi_step_greedy_output_is_token_identical(tmp_path):
         if p.temperature == 0:
             assert reason == "stop" and tokens == r[:r.index(p.stop_token_ids[0]) + 1]
     assert max(s.num_steps for s in covered) == 5
+
+
+def test_kv_connector_saves_the_blocks_a_multi_step_run_completed():
+    """The EMS connector's saves, built at schedule time, cover the blocks the last run's later
+    steps completed (their KV is in place by the next step), each once."""
+    from matrixinfer.config import KVTransferConfig
+    from matrixinfer.kv_connector.ems_connector import EMSConnectorScheduler
+
+    class NoPool:
+        def exists(self, keys):
+            return [False] * len(keys)
+
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    sched = Scheduler(SchedulerConfig(), kv, 64, EMSConnectorScheduler(KVTransferConfig(), kv, NoPool()), num_steps=6)
+    req = Request("r", [1, 2, 3], SamplingParams(temperature=0, max_tokens=20))
+    sched.add_request(req)
+    saved = []
+    for new in ([7], [8, 9, 5, 6, 4, 1], [2, 3, 3, 3, 3, 3], [5]):
+        step = sched.schedule()
+        saved.append((step.num_steps, [b for b, _ in step.kv_connector_metadata.saves]))
+        sched.update_from_output(step, ModelRunnerOutput(["r"], new[:1], new_token_ids=[new]))
+    # the prefill completes nothing; the first run (positions 3 ... 8) completes block 0 at its
+    # first step and block 1 at its fifth: block 0 saved with it, block 1 with the next run,
+    # whose steps (9 ... 14) complete block 2, saved with the run after, whose first step
+    # (position 15) completes block 3 too
+    b = req.block_table
+    assert saved == [(1, []), (6, [b[0]]), (6, [b[1]]), (6, [b[2], b[3]])]
