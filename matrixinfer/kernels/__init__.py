@@ -26,6 +26,7 @@ paths and says so once.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import os
@@ -164,8 +165,14 @@ def load_cpu_ops() -> bool:
 
                 os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
             level = torch.backends.cpu.get_cpu_capability().lower()
-            cpp_extension.load(name=f"matrixinfer_cpu_ops_{level}", sources=[str(_SOURCE)], extra_cflags=_CFLAGS,
+            name = f"matrixinfer_cpu_ops_{level}"
+            cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=_CFLAGS,
                                extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+            # its C shims must resolve in the compiled graphs' libraries: make its symbols global
+            # (torch loads it with ctypes' default, RTLD_LOCAL)
+            for path in torch.ops.loaded_libraries:
+                if Path(path).name == f"{name}.so":
+                    ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
             torch.library.register_fake("matrixinfer::paged_mla_decode")(
                 lambda q, cache, tables, lens, scale, rank: q.new_empty(q.shape[0], q.shape[1], rank))
             torch.library.register_fake("matrixinfer::grouped_mm")(
@@ -181,6 +188,29 @@ def load_cpu_ops() -> bool:
                         str(e).strip().splitlines()[0][:300])
     _loaded = ok
     return ok
+
+
+# The operators' C shims in cpu_ops.cpp (their declarations, as inductor's C++ launcher declares
+# and calls them): with these a compiled graph calls an operator directly. Without them it
+# looked each one up by name and called it boxed through the dispatcher, with a new tensor
+# handle per argument, at every call (39 calls a batch-1 step of the bundled model).
+_C_SHIMS = {
+    "paged_mla_decode": "AOTITorchError aoti_torch_cpu_paged_mla_decode(AtenTensorHandle q, AtenTensorHandle cache, "
+                        "AtenTensorHandle block_tables, AtenTensorHandle context_lens, double scale, int64_t rank, "
+                        "AtenTensorHandle* ret0)",
+    "small_mm": "AOTITorchError aoti_torch_cpu_small_mm(AtenTensorHandle x, AtenTensorHandle w, "
+                "AtenTensorHandle* experts, AtenTensorHandle* ret0)",
+    "grouped_mm": "AOTITorchError aoti_torch_cpu_grouped_mm(AtenTensorHandle a, AtenTensorHandle b, "
+                  "AtenTensorHandle offs, AtenTensorHandle* ret0)",
+}
+
+
+def c_shims() -> dict:
+    """inductor's aot_inductor.custom_ops_to_c_shims for the loaded operators (empty where
+    they are not: the graph then has none of them to call)."""
+    if not _loaded:
+        return {}
+    return {getattr(torch.ops.matrixinfer, name).default: [decl] for name, decl in _C_SHIMS.items()}
 
 
 def cpu_ops_serve(device: torch.device) -> bool:

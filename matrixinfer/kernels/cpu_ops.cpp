@@ -10,6 +10,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+#include <torch/csrc/inductor/aoti_torch/utils.h>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -564,4 +565,36 @@ TORCH_LIBRARY_IMPL(matrixinfer, CPU, m) {
   m.impl("grouped_mm", grouped_mm);
   m.impl("argmax_rows", argmax_rows);
   m.impl("small_mm", small_mm);
+}
+
+// C shims: the compiled decode graph's C++ launcher calls these directly (inductor's
+// aot_inductor.custom_ops_to_c_shims, set by worker/compiled_decode.py from C_SHIMS in
+// kernels/__init__.py; the two must agree) instead of looking each operator up by name and
+// calling it boxed through the dispatcher on every call.
+using torch::aot_inductor::new_tensor_handle;
+using torch::aot_inductor::tensor_handle_to_tensor_pointer;
+
+extern "C" AOTITorchError aoti_torch_cpu_paged_mla_decode(AtenTensorHandle q, AtenTensorHandle cache,
+    AtenTensorHandle block_tables, AtenTensorHandle context_lens, double scale, int64_t rank, AtenTensorHandle* ret0) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    *ret0 = new_tensor_handle(paged_mla_decode(*tensor_handle_to_tensor_pointer(q), *tensor_handle_to_tensor_pointer(cache),
+        *tensor_handle_to_tensor_pointer(block_tables), *tensor_handle_to_tensor_pointer(context_lens), scale, rank));
+  });
+}
+
+extern "C" AOTITorchError aoti_torch_cpu_small_mm(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* experts,
+                                                  AtenTensorHandle* ret0) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    std::optional<at::Tensor> e;
+    if (experts != nullptr) e = *tensor_handle_to_tensor_pointer(*experts);
+    *ret0 = new_tensor_handle(small_mm(*tensor_handle_to_tensor_pointer(x), *tensor_handle_to_tensor_pointer(w), e));
+  });
+}
+
+extern "C" AOTITorchError aoti_torch_cpu_grouped_mm(AtenTensorHandle a, AtenTensorHandle b, AtenTensorHandle offs,
+                                                    AtenTensorHandle* ret0) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    *ret0 = new_tensor_handle(grouped_mm(*tensor_handle_to_tensor_pointer(a), *tensor_handle_to_tensor_pointer(b),
+                                         *tensor_handle_to_tensor_pointer(offs)));
+  });
 }

@@ -28,6 +28,7 @@ import types
 
 import torch
 
+from matrixinfer.kernels import c_shims
 from matrixinfer.model.context import ForwardContext, forward_context
 from matrixinfer.model.deepseek import DeepseekForCausalLM
 
@@ -181,8 +182,10 @@ class CompiledDecode:
         # (perf); the shapes are the graph's own and the custom operators' fakes are tested.
         # a dict per call: torch.compile pops guard_filter_fn out of the one it is given (with one
         # shared dict the second graph kept every guard: 0.33 ms of lookup a step at 32 sequences)
+        # The operators (matrixinfer/kernels) are called through their C shims, not the dispatcher.
         options = lambda: {"cpp_wrapper": True, "size_asserts": False,  # noqa: E731
-                           "guard_filter_fn": _guards_to_keep}
+                           "guard_filter_fn": _guards_to_keep,
+                           "aot_inductor.custom_ops_to_c_shims": c_shims()}
         step = _own_step(model)
         self.static = torch.compile(step, dynamic=False, options=options())
         self.dynamic = torch.compile(step, dynamic=True, options=options())

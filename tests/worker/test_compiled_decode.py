@@ -25,7 +25,7 @@ def test_compiled_decode_equals_eager_without_graph_breaks(tmp_path, monkeypatch
     expert) give the eager runner's hidden states (float32, 1e-5) and write the same latents;
     the padding rows write only into the pad block, past the blocks the KV manager hands out;
     the logits computed inside the graph equal the eager head's and its argmax is the sampler's
-    greedy pick. Every size's graph runs as a replay (called past torch.compile's wrappers) and gives way to the compiled path when the
+    greedy pick; the graphs call the operators through their C shims. Every size's graph runs as a replay (called past torch.compile's wrappers) and gives way to the compiled path when the
     cache views are re-bound.
     One graph per bucket, all compiled by the warm-up: no graph breaks (so no host syncs in
     the MoE) and no recompiles while serving, also when the block tables widen; every batch
@@ -84,6 +84,14 @@ def test_compiled_decode_equals_eager_without_graph_breaks(tmp_path, monkeypatch
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == frames  # the warm-up compiled every bucket
     assert compiled.compiled_decode.steps == 8 + 5 + 12  # the warm-up's 1, 2, 4, 8, 9 ... 12 and the steps above
+    # the graphs call the operators (paged attention every step, small_mm at 12) through their C
+    # shims: none through the dispatcher, where torch.profiler records every call
+    from torch.profiler import profile
+
+    with profile() as prof:
+        for b in (1, 12):
+            compiled.run([ScheduledRequest(f"p{i}", [1], 3, [i], True) for i in range(b)], num_decode=b)
+    assert not [e.key for e in prof.key_averages() if e.key.startswith("matrixinfer::")]
     # a runner that re-binds the cache views: the replays go, the compiled path (its guard on
     # the views) runs the step on the new ones
     cache = torch.randn(compiled.kv_cache.shape, generator=g)
