@@ -71,6 +71,7 @@ def _core_main(config: EngineConfig, conn, title: str) -> None:
         conn.send(("error", traceback.format_exc()))
         return
     info = core.executor.info
+    core.executor.set_interrupt(conn.poll)  # a message (a request to join, an abort) ends a multi-step run
     conn.send(("ready", (core.max_model_len, core.vocab_size, info.kv_bytes_per_block / config.cache.block_size,
                          info.weights, os.getpid())))
     try:

@@ -23,8 +23,9 @@ raw argmax and none waits, one schedule covers k decode steps (SchedulerOutput.n
 request gets slots for k tokens, the worker feeds each step's greedy tokens to the next without
 returning, and the k tokens come back as spec decode's accepted ones do (stops checked token by
 token, the rest dropped). What it saves is the host's work around a step (schedule, inputs,
-update, outputs: a quarter of a batch-1 step), k - 1 times of k; a request that arrives meanwhile
-waits at most k - 1 steps to join.
+update, outputs: a quarter of a batch-1 step), k - 1 times of k. In the engine core's process a
+message (a request to join, an abort) ends the run after the current step, so an arrival waits
+one step, as without it.
 """
 
 from __future__ import annotations
@@ -261,7 +262,9 @@ class Scheduler:
 
     # -- update -----------------------------------------------------------------------------------
     def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        self.stats.steps += sched.num_steps
+        # the decode steps that ran: a multi-step run may end early (ModelRunner.interrupt)
+        ran = len(out.new_token_ids[0]) if sched.num_steps > 1 and out.new_token_ids else 1
+        self.stats.steps += ran
         for s in sched.requests:
             req = self.requests.get(s.request_id)
             if req is None:
@@ -276,7 +279,7 @@ class Scheduler:
             req.num_external_tokens = 0
             n = len(s.token_ids) - s.num_draft  # the drafts count as computed once accepted
             is_decode = n == 1 and req.output_token_ids
-            self.stats.decode_tokens += n + s.num_draft + sched.num_steps - 1 if is_decode else 0
+            self.stats.decode_tokens += n + s.num_draft + ran - 1 if is_decode else 0
             self.stats.prefill_tokens += 0 if is_decode else n
             req.num_computed_tokens += n
             self.kv.cache_full_blocks(req)

@@ -111,6 +111,10 @@ class MultiprocExecutor:
             raise TimeoutError(f"rank {rank} did not answer within {timeout} s")
         raise RuntimeError(f"rank {rank} exited with code {proc.exitcode}")
 
+    def set_interrupt(self, interrupt) -> None:
+        """Multi-step decode runs its k steps here: the ranks, in processes of their own, must
+        all run the same steps, and none of them sees the engine core's pipe."""
+
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         data = pickle.dumps(sched, protocol=pickle.HIGHEST_PROTOCOL)
         for rank, c in enumerate(self.conns):

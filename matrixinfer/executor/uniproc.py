@@ -13,6 +13,10 @@ class UniProcExecutor:
         self.worker = Worker(config)
         self.info = self.worker.info()
 
+    def set_interrupt(self, interrupt) -> None:
+        """A multi-step decode run ends after the step in which interrupt() says so."""
+        self.worker.runner.interrupt = interrupt
+
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(sched)
 

@@ -4,7 +4,7 @@ the process boundary when ranks are processes."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -57,6 +57,9 @@ class ModelRunner:
         for i, attn in enumerate(layers):
             attn.kv_cache = self.kv_cache[i]
         self.generators: dict[str, torch.Generator] = {}  # seeded requests' RNGs live across steps
+        # multi-step decode ends after the current step when this says so (the engine core's: a
+        # message arrived, a request to join the batch, say); set only where one rank runs
+        self.interrupt: Callable[[], bool] | None = None
 
     @staticmethod
     def cache_bytes_per_block(model: DeepseekForCausalLM, block_size: int) -> int:
@@ -147,12 +150,15 @@ class ModelRunner:
         """k decode steps of the compiled graph (SchedulerOutput.num_steps), each step's greedy
         tokens the next one's inputs; the scheduler gave every row slots for k tokens and
         schedules this only where the raw argmax is the sampler's pick. One transfer to the host
-        at the end, the k tokens per request returned as spec decode returns accepted ones."""
+        at the end, the k tokens per request returned as spec decode returns accepted ones (or
+        fewer, where `interrupt` ended the run early)."""
         if self.compiled_decode is None or len(reqs) != sum(len(r.token_ids) for r in reqs):
             raise ValueError("multi-step decode needs decode-only steps on the compiled decode graph")
         ids, pos, ctx = self.prepare(reqs, len(reqs))
         picks = [self.compiled_decode(ids, pos, ctx)[2]]
         for pos, slots, lens in self._later_steps(reqs, k, ids.shape[0]):
+            if self.interrupt is not None and self.interrupt():
+                break  # fewer tokens than k: the scheduler takes what came (the lookahead slots stay allocated)
             picks.append(self.compiled_decode.run((picks[-1], pos, slots, ctx.block_tables, lens))[2])
         if not driver:
             return None

@@ -37,6 +37,12 @@ def test_scheduler_covers_k_steps_only_where_no_token_can_change():
     assert greedy.output_token_ids == [7, 5, 6, 8, 9] and greedy.num_computed_tokens == 7
     assert sched.stats.decode_tokens == 4
     assert [kv.blocks[b].token_ids for b in greedy.block_table[:1]] == [[1, 2, 3, 7]]
+    # a run that an interrupt ended after 2 of its 4 steps: 2 tokens, their KV counted, 2 steps
+    step, steps = sched.schedule(), sched.stats.steps
+    assert step.num_steps == 4 and len(step.requests[0].block_table) == 3
+    sched.update_from_output(step, ModelRunnerOutput(["g"], [4], new_token_ids=[[4, 4]]))
+    assert greedy.output_token_ids[-2:] == [4, 4] and greedy.num_computed_tokens == 9
+    assert sched.stats.steps - steps == 2 and sched.stats.decode_tokens == 6
 
     # one that waits (its prefill would wait behind the k steps): one step, the prefill joins
     sched.add_request(Request("w", [4, 5], SamplingParams(temperature=0, max_tokens=20)))
@@ -93,7 +99,8 @@ def test_multi_step_greedy_output_is_token_identical(tmp_path):
     """One compiled engine, its scheduler at 1 step per schedule, then 5: the same greedy tokens
     and finish reasons, with stop ids hit inside a multi-step run, max_tokens that are not
     multiples of 5, more prompts than max_num_seqs (arrivals wait, then join at a schedule),
-    and a sampling request in the mix (single steps while it runs, its tokens seeded)."""
+    and a sampling request in the mix (single steps while it runs, its tokens seeded); and with
+    runs that an interrupt (the engine core's: a message arrived) ends early."""
     make_checkpoint(tmp_path, "v3-noqlora")
     llm = LLM(model=tmp_path, dtype="float32", block_size=4, max_num_seqs=4, enable_prefix_caching=False,
               enforce_eager=False)
@@ -111,11 +118,12 @@ def test_multi_step_greedy_output_is_token_identical(tmp_path):
     runs, covered = [], []
     schedule = scheduler.schedule
     scheduler.schedule = lambda: covered.append(schedule()) or covered[-1]
-    for k in (1, 5):
-        scheduler.num_steps = k
+    for k, interrupt in ((1, None), (5, None), (5, lambda: next(calls) % 3 == 2)):
+        calls = iter(range(10**6))
+        scheduler.num_steps, llm.engine.worker.runner.interrupt = k, interrupt
         outs = llm.generate(prompts, params, use_tqdm=False)
         runs.append([(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs])
-    assert runs[0] == runs[1]
+    assert runs[0] == runs[1] == runs[2]
     for (tokens, reason), r, p in zip(runs[1], ref, params):
         if p.temperature == 0:
             assert reason == "stop" and tokens == r[:r.index(p.stop_token_ids[0]) + 1]
