@@ -370,7 +370,7 @@ class EngineConfig:
         steps = self.scheduler.num_scheduler_steps
         if steps is not None and steps < 1:
             raise ValueError(f"num_scheduler_steps must be >= 1, got {steps}")
-        if steps is not None and steps > 1 and not self.multi_step_capable:
+        if steps is not None and steps > 1 and not self.compiles_decode:
             raise ValueError("num_scheduler_steps > 1 needs the compiled decode step: not with enforce_eager, "
                              "speculative decoding, expert parallelism or prefill_parallel sp-tp-sp")
         if self.quantization.method not in (None, "w8a8", "compressed-tensors"):
@@ -378,9 +378,11 @@ class EngineConfig:
                              "quantized checkpoint is detected from its config.json")
 
     @property
-    def multi_step_capable(self) -> bool:
-        """The runner this config builds decodes on the compiled step (worker._make_runner),
-        which runs several decode steps per schedule."""
+    def compiles_decode(self) -> bool:
+        """The runner this config builds (worker._make_runner) runs decode-only steps on the
+        compiled graph, which also runs several decode steps per schedule: not eager, not
+        speculating (its steps verify k + 1 tokens a sequence), and neither expert parallelism
+        nor SP-TP-SP (their collectives and row counts are not compiled)."""
         par = self.parallel
         return not (self.enforce_eager or self.speculative.num_draft_tokens or par.expert_parallel_size > 1
                     or par.sequence_parallel)
@@ -390,7 +392,7 @@ class EngineConfig:
         """Decode steps per schedule (SchedulerConfig.num_scheduler_steps resolved)."""
         steps = self.scheduler.num_scheduler_steps
         if steps is None:
-            return AUTO_SCHEDULER_STEPS if self.multi_step_capable else 1
+            return AUTO_SCHEDULER_STEPS if self.compiles_decode else 1
         return steps
 
     def _validate_expert_parallel(self, par: ParallelConfig) -> None:

@@ -568,8 +568,8 @@ TORCH_LIBRARY_IMPL(matrixinfer, CPU, m) {
 }
 
 // C shims: the compiled decode graph's C++ launcher calls these directly (inductor's
-// aot_inductor.custom_ops_to_c_shims, set by worker/compiled_decode.py from C_SHIMS in
-// kernels/__init__.py; the two must agree) instead of looking each operator up by name and
+// aot_inductor.custom_ops_to_c_shims, set by worker/compiled_decode.py from _C_SHIMS
+// in kernels/__init__.py; the two must agree) instead of looking each operator up by name and
 // calling it boxed through the dispatcher on every call.
 using torch::aot_inductor::new_tensor_handle;
 using torch::aot_inductor::tensor_handle_to_tensor_pointer;

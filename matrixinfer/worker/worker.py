@@ -106,10 +106,9 @@ class Worker:
             return SequenceParallelRunner(self.model, self.num_blocks, block_size, self.device, get_sp_group(),
                                           self._dispatcher(get_sp_group()), par.microbatches)
         if self.config.parallel.expert_parallel_size == 1:
-            # a speculating runner's decode steps verify k + 1 tokens per sequence: they run eagerly
-            spec = self.config.speculative.num_draft_tokens
-            compile_decode = not (self.config.enforce_eager or spec)
-            runner = ModelRunner(self.model, self.num_blocks, block_size, self.device, compile_decode, spec)
+            compile_decode = self.config.compiles_decode
+            runner = ModelRunner(self.model, self.num_blocks, block_size, self.device, compile_decode,
+                                 self.config.speculative.num_draft_tokens)
             if compile_decode:  # compile now (the cache exists), not on the first request
                 runner.compiled_decode.warm_up(self.config.scheduler.max_num_seqs, self.device)
             return runner
