@@ -287,6 +287,9 @@ class EngineConfig:
     # False: decode-only steps run a torch.compile'd forward (inductor; compiled at start-up,
     # cached on disk by inductor). MATRIXINFER_ENFORCE_EAGER=1 flips the default (the test suite does).
     enforce_eager: bool = field(default_factory=lambda: os.environ.get("MATRIXINFER_ENFORCE_EAGER", "0") == "1")
+    # Where decode compiles, steps of whole new prompts run a compiled forward too
+    # (worker/compiled_prefill.py); False keeps them eager (an A/B switch, and a shorter start-up).
+    compile_prefill: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -324,7 +327,8 @@ class EngineConfig:
         cfg = cls(model=str(model))
         sections = {"kv_transfer_config": "kv_transfer", "speculative_config": "speculative"}
         for key, value in kwargs.items():
-            if key in ("dtype", "device", "seed", "load_format", "model_source_mbps", "num_threads", "enforce_eager"):
+            if key in ("dtype", "device", "seed", "load_format", "model_source_mbps", "num_threads", "enforce_eager",
+                       "compile_prefill"):
                 setattr(cfg, key, value)
             elif key in cls._FLAT:
                 section, name = cls._FLAT[key]
@@ -386,6 +390,12 @@ class EngineConfig:
         par = self.parallel
         return not (self.enforce_eager or self.speculative.num_draft_tokens or par.expert_parallel_size > 1
                     or par.sequence_parallel)
+
+    @property
+    def compiles_prefill(self) -> bool:
+        """The runner compiles steps of whole new prompts too: where decode compiles (the same
+        single-rank runner), unless compile_prefill is off."""
+        return self.compiles_decode and self.compile_prefill
 
     @property
     def decode_steps(self) -> int:
@@ -470,7 +480,10 @@ class EngineConfig:
         p.add_argument("--model-source-mbps", type=float, default=0.0,
                        help="with --load-format ems: read the model directory at this many MB/s (object storage)")
         p.add_argument("--enforce-eager", action="store_true", default=None,
-                       help="run decode steps eagerly instead of the torch.compile'd forward (no compile at start-up)")
+                       help="run decode and prefill steps eagerly instead of the torch.compile'd forward (no "
+                            "compile at start-up)")
+        p.add_argument("--no-compile-prefill", action="store_true", default=None,
+                       help="compile decode steps only: prefill steps run eagerly (a shorter start-up)")
         p.add_argument("--num-threads", type=int, default=None,
                        help="intra-op threads per rank (default: the machine's cores over the ranks)")
         p.add_argument("--deployment", default=None,
@@ -522,6 +535,8 @@ class EngineConfig:
             kw["enable_prefix_caching"] = False
         if getattr(args, "enforce_eager", None):
             kw["enforce_eager"] = True
+        if getattr(args, "no_compile_prefill", None):
+            kw["compile_prefill"] = False
         if getattr(args, "num_threads", None):
             kw["num_threads"] = args.num_threads
         if getattr(args, "speculative_method", None):

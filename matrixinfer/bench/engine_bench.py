@@ -1,4 +1,4 @@
-"""`matrixinfer bench engine`: our engine (compiled decode step, the default) vs our own eager
+"""`matrixinfer bench engine`: our engine (compiled decode and prefill steps, the default) vs our own eager
 mode vs transformers' batched `generate`, same checkpoint, dtype, threads and requests, in one
 process run.
 
@@ -39,7 +39,7 @@ class EngineBenchResult:
     matrixinfer_decode_step_ms: float
     eager_decode_step_ms: float
     transformers_decode_step_ms: float
-    compile_s: float  # the first engine's compile of the decode step graphs (from the disk cache when warm)
+    compile_s: float  # the first engine's compile of the decode and prefill graphs (from the disk cache when warm)
     floor_decode_step_ms: float
     bytes_per_decode_step: int
     memory_bandwidth_gb_s: float
@@ -129,16 +129,21 @@ class MatrixinferRun(NamedTuple):
 
 
 def run_matrixinfer(model_dir, dtype, prompts, output_len, profile: bool, enforce_eager: bool = False,
-                    per_request_tpot: bool = False) -> MatrixinferRun:
+                    per_request_tpot: bool = False, warm_prompts: list[list[int]] | None = None,
+                    compile_prefill: bool = True) -> MatrixinferRun:
+    """Our engine on prompts after a warm-up generation of the same shape, as the peers get:
+    warm_prompts, by default each prompt reversed (other ids, so no prefix-cache hit)."""
     from matrixinfer import LLM, SamplingParams
     from matrixinfer.engine.sampling_params import RequestOutputKind
 
     llm = LLM(model=model_dir, dtype=dtype, max_num_seqs=max(64, len(prompts)),
-              max_num_batched_tokens=max(2048, len(prompts[0]) * 4), enforce_eager=enforce_eager)
+              max_num_batched_tokens=max(2048, len(prompts[0]) * 4), enforce_eager=enforce_eager,
+              compile_prefill=compile_prefill)
     # one output per request when it finishes, as LLM.generate asks (and transformers returns)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True,
                             output_kind=RequestOutputKind.FINAL_ONLY)
-    llm.generate([{"prompt_token_ids": prompts[0][:16]}], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    warm_prompts = [p[::-1] for p in prompts] if warm_prompts is None else warm_prompts
+    llm.generate([{"prompt_token_ids": p} for p in warm_prompts], params, use_tqdm=False)
     engine = llm.engine
     for i, p in enumerate(prompts):
         engine.add_request(f"bench-{i}", {"prompt_token_ids": p}, params)
@@ -242,13 +247,14 @@ def run(model_dir: str, requests: int, input_len: int, output_len: int, dtype: s
     ours, eager, hf, peer_runs = [], [], [], {}
     for i in range(repeats):
         last = profile and i == repeats - 1
-        mi = run_matrixinfer(model_dir, dtype, prompts, output_len, last)
-        if i == 0:  # the first engine: the cold (or disk-cached) compile
-            compile_s = mi.llm.engine.worker.runner.compiled_decode.compile_s
+        mi = run_matrixinfer(model_dir, dtype, prompts, output_len, last, warm_prompts=warm)
+        if i == 0:  # the first engine: the cold (or disk-cached) compile of the decode and prefill graphs
+            runner = mi.llm.engine.worker.runner
+            compile_s = runner.compiled_decode.compile_s + runner.compiled_prefill.compile_s
         ours.append((mi.seconds, mi.decode_step_s))
         top_ops, our_tokens = mi.top_ops, mi.tokens
         mi.llm.shutdown()
-        ea = run_matrixinfer(model_dir, dtype, prompts, output_len, last, enforce_eager=True)
+        ea = run_matrixinfer(model_dir, dtype, prompts, output_len, last, enforce_eager=True, warm_prompts=warm)
         eager.append((ea.seconds, ea.decode_step_s))
         eager_ops, llm = ea.top_ops, ea.llm
         hf.append(run_transformers(model_dir, dtype, prompts, output_len))
@@ -301,8 +307,9 @@ def report(results: list[EngineBenchResult], name: str = "engine") -> None:
     md = (f"## {title}: matrixinfer vs its eager mode vs transformers `generate`\n\n"
           f"`matrixinfer bench engine` on `{last.model}`; same checkpoint, dtype, threads and requests on every "
           f"side; greedy, `ignore_eos`, outputs of exactly `output` tokens; each side run {last.repeats} times, "
-          f"interleaved, medians shown. matrixinfer runs its default, the compiled decode step "
-          f"(`worker/compiled_decode.py`); eager is the same engine with `--enforce-eager`. CPU: {cpu['cpu']}, "
+          f"interleaved, medians shown, each after a warm-up generation of the same shape (other ids). matrixinfer "
+          f"runs its default, the compiled decode and prefill steps (`worker/compiled_decode.py`, "
+          f"`worker/compiled_prefill.py`); eager is the same engine with `--enforce-eager`. CPU: {cpu['cpu']}, "
           f"torch kernel path `{cpu['torch_cpu_capability']}`, AMX: {', '.join(cpu['amx']) or 'none'}, "
           f"AVX512-VNNI: {'yes' if cpu['avx512_vnni'] else 'no'}; bfloat16 GEMMs "
           f"{cpu.get('bf16_gemms', '(unrecorded)')}; the few-rows operator built for "
@@ -311,7 +318,7 @@ def report(results: list[EngineBenchResult], name: str = "engine") -> None:
           f"bytes it must read ({last.bytes_per_decode_step / 1e6:.1f} MB at {last.requests} requests: active weights "
           f"+ latent KV) over the measured copy bandwidth ({last.memory_bandwidth_gb_s:.1f} GB/s) and the matmul "
           f"FLOPs it must do ({last.flops_per_decode_step / 1e9:.2f} GFLOP) over the measured dense matmul rate "
-          f"({last.matmul_gflops:.0f} GFLOP/s). `compile s`: the decode step's graphs compiled when the engine "
+          f"({last.matmul_gflops:.0f} GFLOP/s). `compile s`: the decode and prefill steps' graphs compiled when the engine "
           f"starts (from inductor's disk cache when an earlier run filled it; later engines of the process trace their "
           f"own graphs again: each model instance keeps its own).\n\n{table}\n\n![engine](engine.png)\n{profiles}")
     if any(r.peers for r in results):

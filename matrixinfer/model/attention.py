@@ -46,6 +46,37 @@ from matrixinfer.model.moe import run_stages
 from matrixinfer.parallel.state import get_head_group, get_sp_group
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     causal_offset: int = 0) -> torch.Tensor:
+    """q [..., H, Tq, d] over k, v [..., H, Tk, d], Tk = causal_offset + Tq, each query seeing
+    the keys up to its own position."""
+    if causal_offset == 0:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    tq, tk = q.shape[-2], k.shape[-2]
+    mask = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(diagonal=causal_offset)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+@torch.library.custom_op("matrixinfer::varlen_causal_attention", mutates_args=())
+def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                            scale: float) -> torch.Tensor:
+    """q, k, v [T, H, d]: the tokens of several sequences one after another, sequence i's rows
+    cu_seqlens[i]:cu_seqlens[i + 1]; each attends causally within its own sequence. An operator
+    (opaque to the compiler) so that a compiled prefill step runs the varying per-sequence
+    loop eagerly, with no guards on the sequence lengths."""
+    out = torch.empty_like(q)
+    bounds = cu_seqlens.tolist()
+    for a, b in zip(bounds, bounds[1:]):
+        out[a:b] = causal_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1),
+                                    scale).transpose(0, 1)
+    return out
+
+
+@varlen_causal_attention.register_fake
+def _(q, k, v, cu_seqlens, scale):
+    return torch.empty_like(q)
+
+
 class MLAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, quant_config: QuantizationConfig | None = None,
                  prefix: str = ""):
@@ -166,24 +197,30 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.n_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         return w[:, : self.nope_dim], w[:, self.nope_dim :]  # [H, nope, rank], [H, v, rank]
 
-    def _attend_unabsorbed(self, q_nope, q_pe, c_kv, k_pe, causal_offset: int) -> torch.Tensor:
-        """q_*: [B, Tq, H, *]; c_kv/k_pe: [B, Tk, *] with Tk = causal_offset + Tq. Returns [B, Tq, H, v]."""
+    def _qkv_unabsorbed(self, q_nope, q_pe, c_kv, k_pe):
+        """The latents up-projected to per-head keys and values: q_*: [..., Tq, H, *]; c_kv/k_pe:
+        [..., Tk, *] -> q [..., Tq, H, d], k and v [..., Tk, H, d], d = qk_head_dim. v is padded
+        with zeros to d: PyTorch's fused (flash) kernels need one head size for all three and
+        otherwise fall back to the math path (measured on the CPU, 4 heads of 48/32: 114 vs 219
+        us at 128 tokens, 1.1 vs 5.5 ms at 512)."""
         kv = self.kv_b_proj(c_kv).view(*c_kv.shape[:-1], self.n_heads, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_pe.unsqueeze(-2).expand(*k_nope.shape[:-1], self.rope_dim)], dim=-1)
         q = torch.cat([q_nope, q_pe], dim=-1)
-        # v padded with zeros to the q/k head size: PyTorch's fused (flash) kernels need one
-        # head size for all three and otherwise fall back to the math path (measured on the CPU,
-        # 4 heads of 48/32: 114 vs 219 us at 128 tokens, 1.1 vs 5.5 ms at 512)
-        pad = q.shape[-1] - v.shape[-1]
-        q, k, v = q.transpose(-3, -2), k.transpose(-3, -2), F.pad(v, (0, pad)).transpose(-3, -2)  # [B, H, T, d]
-        if causal_offset == 0:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
-        else:
-            tq, tk = q.shape[-2], k.shape[-2]
-            mask = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(diagonal=causal_offset)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        return q, k, F.pad(v, (0, q.shape[-1] - v.shape[-1]))
+
+    def _attend_unabsorbed(self, q_nope, q_pe, c_kv, k_pe, causal_offset: int) -> torch.Tensor:
+        """q_*: [B, Tq, H, *]; c_kv/k_pe: [B, Tk, *] with Tk = causal_offset + Tq. Returns [B, Tq, H, v]."""
+        q, k, v = (t.transpose(-3, -2) for t in self._qkv_unabsorbed(q_nope, q_pe, c_kv, k_pe))  # [B, H, T, d]
+        out = causal_attention(q, k, v, self.scale, causal_offset)
         return out[..., : self.v_dim].transpose(-3, -2)
+
+    def _attend_fresh(self, ctx: ForwardContext, q_nope, q_pe, c_kv, k_pe) -> torch.Tensor:
+        """Every sequence of the step is a whole new prompt (ForwardContext.prompt_cu_seqlens):
+        its keys are the step's own latents, so attention needs no read of the cache and no
+        per-sequence Python, and a compiled prefill step traces it. [T, H, *] -> [T, H, v]."""
+        q, k, v = self._qkv_unabsorbed(q_nope, q_pe, c_kv, k_pe)
+        return varlen_causal_attention(q, k, v, ctx.prompt_cu_seqlens, self.scale)[..., : self.v_dim]
 
     def _attend_paged(self, q_nope, q_pe, cache, block_tables, lens) -> torch.Tensor:
         """One query per sequence over its latents in the paged cache: [S, H, *] -> [S, H, v].
@@ -264,6 +301,8 @@ class MLAttention(nn.Module):
             # Every sequence has one new token: shapes come from the tensors alone (the block
             # table is padded by the runner), so this path has no host syncs and compiles once.
             return self._attend_paged(q_nope, q_pe, cache, ctx.block_tables, ctx.context_lens_tensor)
+        if ctx.prompt_cu_seqlens is not None and c_kv.dtype == cache.dtype:  # the cache holds c_kv as it is
+            return self._attend_fresh(ctx, q_nope, q_pe, c_kv, k_pe)
         out = q_nope.new_empty(q_nope.shape[0], self.n_heads, self.v_dim)
         nd = ctx.num_decode_seqs
         if nd:

@@ -44,6 +44,10 @@ class ForwardContext:
     decode_pad_index: torch.Tensor | None = None
     decode_unpad_index: torch.Tensor | None = None
     decode_lens: torch.Tensor | None = None
+    # Every sequence is a whole prompt with nothing cached before it (no decode rows, no prefix
+    # hit, a prompt's first chunk): [S + 1] the offsets of each sequence's tokens. Attention then attends
+    # within the step's tokens (MLAttention._attend_fresh), the path a compiled prefill traces.
+    prompt_cu_seqlens: torch.Tensor | None = None
 
     @property
     def num_decode_tokens(self) -> int:

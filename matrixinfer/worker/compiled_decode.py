@@ -45,7 +45,7 @@ def padded_batch(n: int) -> int:
 
 def _guards_to_keep(entries) -> list[bool]:
     """No guards on module attributes but the layers' cache views: 0.07 ms of the 0.68 a call
-    costs at batch 1. Safe because the graphs serve one model instance (_own_step) whose
+    costs at batch 1. Safe because the graphs serve one model instance (own_code) whose
     weights load before warm_up and change in place only; a runner that re-binds the cache
     views is still caught."""
     return [not e.orig_guard.source.is_unspecialized_nn_module() or "kv_cache" in e.name for e in entries]
@@ -59,12 +59,27 @@ def decode_step(model: DeepseekForCausalLM, input_ids: torch.Tensor, positions: 
     return hidden, logits, logits.argmax(dim=-1)
 
 
-def _own_step(model: DeepseekForCausalLM):
-    """decode_step bound to model, with a code object of its own. Dynamo keeps compiled graphs
-    on the code object, so without this every model of the process would share them, and with
-    module guards dropped a graph of one checkpoint could run another's weights."""
-    code = decode_step.__code__.replace()
-    return types.FunctionType(code, decode_step.__globals__, decode_step.__name__).__get__(model)
+def own_code(step, model: DeepseekForCausalLM):
+    """step (decode_step, compiled_prefill.prefill_step) bound to model, with a code object of
+    its own. Dynamo keeps compiled graphs on the code object, so without this every model of
+    the process would share them, and with module guards dropped a graph of one checkpoint
+    could run another's weights."""
+    code = step.__code__.replace()
+    return types.FunctionType(code, step.__globals__, step.__name__).__get__(model)
+
+
+def compile_options() -> dict:
+    """inductor's options for the engine's compiled steps, a new dict per torch.compile call:
+    it pops guard_filter_fn out of the one it is given (with one shared dict the second graph
+    kept every guard: 0.33 ms of lookup a step at 32 sequences).
+    - cpp_wrapper: the graph's launcher is C++ too (measured: 0.84 vs 1.00 ms a decode step at
+      batch 1, 1.83 vs 2.27 at 8, bundled model, float32, 2 threads).
+    - no size asserts: the C++ wrapper builds a stringstream for each of the ~120 it checks,
+      6 % of a batch-1 step (perf); the shapes are the graph's own and the custom operators'
+      fakes are tested.
+    - the operators (matrixinfer/kernels) are called through their C shims, not the dispatcher."""
+    return {"cpp_wrapper": True, "size_asserts": False, "guard_filter_fn": _guards_to_keep,
+            "aot_inductor.custom_ops_to_c_shims": c_shims()}
 
 
 def decode_context(inputs: tuple[torch.Tensor, ...]) -> ForwardContext:
@@ -176,19 +191,9 @@ class CompiledDecode:
     def __init__(self, model: DeepseekForCausalLM, pad_block: int, block_size: int):
         self.model = model
         self.pad_block, self.block_size = pad_block, block_size  # a cache block no sequence owns: padding rows write there
-        # cpp_wrapper: the graph's launcher is C++ too (measured: 0.84 vs 1.00 ms a step at batch
-        # 1, 1.83 vs 2.27 at 8, bundled model, float32, 2 threads). No size asserts: the C++
-        # wrapper builds a stringstream for each of the ~120 it checks, 6 % of a batch-1 step
-        # (perf); the shapes are the graph's own and the custom operators' fakes are tested.
-        # a dict per call: torch.compile pops guard_filter_fn out of the one it is given (with one
-        # shared dict the second graph kept every guard: 0.33 ms of lookup a step at 32 sequences)
-        # The operators (matrixinfer/kernels) are called through their C shims, not the dispatcher.
-        options = lambda: {"cpp_wrapper": True, "size_asserts": False,  # noqa: E731
-                           "guard_filter_fn": _guards_to_keep,
-                           "aot_inductor.custom_ops_to_c_shims": c_shims()}
-        step = _own_step(model)
-        self.static = torch.compile(step, dynamic=False, options=options())
-        self.dynamic = torch.compile(step, dynamic=True, options=options())
+        step = own_code(decode_step, model)
+        self.static = torch.compile(step, dynamic=False, options=compile_options())
+        self.dynamic = torch.compile(step, dynamic=True, options=compile_options())
         self.replays: dict[int, Replay] = {}  # batch size (padded) -> its graph, replayed directly
         self.compile_s = 0.0
         self.steps = 0  # decode steps served (warm-up included)

@@ -4,6 +4,7 @@ the process boundary when ranks are processes."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Callable, NamedTuple
 
 import torch
@@ -14,6 +15,7 @@ from matrixinfer.kernels import argmax_rows, load_cpu_ops
 from matrixinfer.model.context import ForwardContext, forward_context
 from matrixinfer.model.deepseek import DeepseekForCausalLM
 from matrixinfer.worker.compiled_decode import MIN_TABLE_WIDTH, CompiledDecode, padded_batch
+from matrixinfer.worker.compiled_prefill import CompiledPrefill
 from matrixinfer.worker.sampler import SamplingRow, sample
 from matrixinfer.worker.spec_decode import SpecBatch, add_decode_queries, draft_context, verify
 
@@ -37,7 +39,7 @@ class StepOutput(NamedTuple):
 
 class ModelRunner:
     def __init__(self, model: DeepseekForCausalLM, num_blocks: int, block_size: int, device: torch.device,
-                 compile_decode: bool = False, num_spec_tokens: int = 0):
+                 compile_decode: bool = False, num_spec_tokens: int = 0, compile_prefill: bool = False):
         self.model, self.device, self.block_size = model, device, block_size
         if device.type == "cpu":  # matrixinfer/kernels: built once per machine
             load_cpu_ops()
@@ -46,13 +48,16 @@ class ModelRunner:
         if num_spec_tokens and not len(model.model.mtp):
             raise ValueError("speculative method mtp needs a checkpoint with an MTP module (num_nextn_predict_layers "
                              "> 0 and its weights): this one has none")
-        # compiled decode steps pad small batches; the padding rows write into one extra block
-        # past the num_blocks the KV cache manager hands out
+        # compiled decode steps pad small batches, and compiled prefill warms up on dummy
+        # prompts: those rows write into one extra block past the num_blocks the KV cache
+        # manager hands out
         self.compiled_decode = CompiledDecode(model, num_blocks, block_size) if compile_decode else None
+        self.compiled_prefill = CompiledPrefill(model, num_blocks, block_size) if compile_prefill else None
         dtype = model.lm_head.weight.dtype  # the model dtype (the router alone stays float32)
         layers = model.attention_layers()
         # One tensor for all layers: [layers, blocks, block_size, kv_lora_rank + rope]
-        self.kv_cache = torch.zeros(len(layers), num_blocks + compile_decode, block_size, model.config.kv_cache_dim,
+        pad = int(compile_decode or compile_prefill)
+        self.kv_cache = torch.zeros(len(layers), num_blocks + pad, block_size, model.config.kv_cache_dim,
                                     dtype=dtype, device=device)
         for i, attn in enumerate(layers):
             attn.kv_cache = self.kv_cache[i]
@@ -69,7 +74,8 @@ class ModelRunner:
     def prepare(self, reqs: list[ScheduledRequest], num_decode: int):
         """The step's tensors. A decode-only step for the compiled graphs gets a block table at
         least MIN_TABLE_WIDTH wide and, at small batch, padding rows (padded_batch): token 0 at
-        position 0 writing into the pad block, which their one-token context reads."""
+        position 0 writing into the pad block, which their one-token context reads. A step of
+        whole new prompts (no decode rows, each from position 0) gets prompt_cu_seqlens."""
         input_ids, positions, slots, query_lens, context_lens = [], [], [], [], []
         bs = self.block_size
         for r in reqs:
@@ -103,6 +109,8 @@ class ModelRunner:
             context_lens_tensor=torch.tensor(context_lens, dtype=torch.long, device=dev),
             decode_only=decode_only,
         )
+        if num_decode == 0 and all(r.start_pos == 0 for r in reqs):
+            ctx.prompt_cu_seqlens = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.long, device=dev)
         return (torch.tensor(input_ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev), ctx)
 
@@ -274,6 +282,8 @@ class ModelRunner:
         if ctx.decode_only and self.compiled_decode is not None:
             hidden, logits, greedy = self.compiled_decode(ids, pos, ctx)
             return StepOutput(hidden[: len(reqs)], logits, greedy)
+        if ctx.prompt_cu_seqlens is not None and self.compiled_prefill is not None:
+            return StepOutput(self.compiled_prefill(ids, pos, ctx))
         with forward_context(ctx):
             return StepOutput(self.model(ids, pos))
 

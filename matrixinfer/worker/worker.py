@@ -61,13 +61,13 @@ class Worker:
         self.max_model_len = max_model_len_of(config, self.model.config.max_position_embeddings)
         self.num_blocks = num_kv_blocks(config, self.model, self.max_model_len)
         self.runner = self._make_runner()
-        compiled = self.runner.compiled_decode
+        compiled, prefill = self.runner.compiled_decode, self.runner.compiled_prefill
         from matrixinfer.kernels import bfloat16_gemm_policy
 
-        log.info("rank %d: %d intra-op threads, CPU kernels %s, bfloat16 GEMMs %s, decode step %s", rank,
-                 torch.get_num_threads(), torch.backends.cpu.get_cpu_capability(),
-                 bfloat16_gemm_policy(),
-                 "eager" if compiled is None else f"compiled in {compiled.compile_s:.1f} s")
+        log.info("rank %d: %d intra-op threads, CPU kernels %s, bfloat16 GEMMs %s, decode step %s, prefill step %s",
+                 rank, torch.get_num_threads(), torch.backends.cpu.get_cpu_capability(), bfloat16_gemm_policy(),
+                 "eager" if compiled is None else f"compiled in {compiled.compile_s:.1f} s",
+                 "eager" if prefill is None else f"compiled in {prefill.compile_s:.1f} s ({prefill.graphs} graphs)")
         from matrixinfer.parallel import get_head_group
 
         self.connector = make_worker_connector(config.kv_transfer, get_head_group().rank)
@@ -108,9 +108,11 @@ class Worker:
         if self.config.parallel.expert_parallel_size == 1:
             compile_decode = self.config.compiles_decode
             runner = ModelRunner(self.model, self.num_blocks, block_size, self.device, compile_decode,
-                                 self.config.speculative.num_draft_tokens)
+                                 self.config.speculative.num_draft_tokens, self.config.compiles_prefill)
             if compile_decode:  # compile now (the cache exists), not on the first request
                 runner.compiled_decode.warm_up(self.config.scheduler.max_num_seqs, self.device)
+            if runner.compiled_prefill is not None:
+                runner.compiled_prefill.warm_up(self.config.scheduler.max_num_batched_tokens, self.device)
             return runner
         # expert parallelism runs eagerly: the exchanges' collectives and row counts are not compiled
         from matrixinfer.parallel import get_ep_group
