@@ -287,9 +287,11 @@ class EngineConfig:
     # False: decode-only steps run a torch.compile'd forward (inductor; compiled at start-up,
     # cached on disk by inductor). MATRIXINFER_ENFORCE_EAGER=1 flips the default (the test suite does).
     enforce_eager: bool = field(default_factory=lambda: os.environ.get("MATRIXINFER_ENFORCE_EAGER", "0") == "1")
-    # Where decode compiles, steps of whole new prompts run a compiled forward too
-    # (worker/compiled_prefill.py); False keeps them eager (an A/B switch, and a shorter start-up).
+    # Steps of whole new prompts run a compiled forward too (worker/compiled_prefill.py);
+    # False keeps them eager (an A/B switch, and a shorter start-up).
     compile_prefill: bool = True
+    # False: decode steps stay eager while prefill may compile (PDC prefill instances, which never decode)
+    compile_decode: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -328,7 +330,7 @@ class EngineConfig:
         sections = {"kv_transfer_config": "kv_transfer", "speculative_config": "speculative"}
         for key, value in kwargs.items():
             if key in ("dtype", "device", "seed", "load_format", "model_source_mbps", "num_threads", "enforce_eager",
-                       "compile_prefill"):
+                       "compile_prefill", "compile_decode"):
                 setattr(cfg, key, value)
             elif key in cls._FLAT:
                 section, name = cls._FLAT[key]
@@ -382,20 +384,24 @@ class EngineConfig:
                              "quantized checkpoint is detected from its config.json")
 
     @property
-    def compiles_decode(self) -> bool:
-        """The runner this config builds (worker._make_runner) runs decode-only steps on the
-        compiled graph, which also runs several decode steps per schedule: not eager, not
-        speculating (its steps verify k + 1 tokens a sequence), and neither expert parallelism
-        nor SP-TP-SP (their collectives and row counts are not compiled)."""
+    def _compilable_runner(self) -> bool:
+        """The runner this config builds (worker._make_runner) can run compiled steps: not
+        eager, not speculating (its steps verify k + 1 tokens a sequence), and neither expert
+        parallelism nor SP-TP-SP (their collectives and row counts are not compiled)."""
         par = self.parallel
         return not (self.enforce_eager or self.speculative.num_draft_tokens or par.expert_parallel_size > 1
                     or par.sequence_parallel)
 
     @property
+    def compiles_decode(self) -> bool:
+        """Decode-only steps run on the compiled graph, which also runs several decode steps per
+        schedule."""
+        return self._compilable_runner and self.compile_decode
+
+    @property
     def compiles_prefill(self) -> bool:
-        """The runner compiles steps of whole new prompts too: where decode compiles (the same
-        single-rank runner), unless compile_prefill is off."""
-        return self.compiles_decode and self.compile_prefill
+        """Steps of whole new prompts run on the compiled prefill graphs."""
+        return self._compilable_runner and self.compile_prefill
 
     @property
     def decode_steps(self) -> int:

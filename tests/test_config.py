@@ -31,6 +31,17 @@ def test_keywords_land_in_their_sections():
     assert cfg.kv_transfer.ems_controller == "h:1"
 
 
+def test_which_steps_compile():
+    """Both steps compile by default; compile_decode=False (a PDC prefill instance) keeps the
+    prefill graphs; eager, speculation and expert parallelism compile neither."""
+    on = lambda **kw: (EngineConfig.from_kwargs("m", **kw).compiles_decode, EngineConfig.from_kwargs("m", **kw).compiles_prefill)
+    assert on(enforce_eager=False) == (True, True)
+    assert on(enforce_eager=False, compile_decode=False) == (False, True)
+    assert on(enforce_eager=False, compile_prefill=False) == (True, False)
+    assert on(enforce_eager=True) == on(enforce_eager=False, expert_parallel_size=2) == (False, False)
+    assert on(enforce_eager=False, speculative_config={"method": "mtp", "num_speculative_tokens": 1}) == (False, False)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"max_batch": 3}, "unknown engine argument"),
     ({"kv_transfer_config": {"connector": "redis"}}, "unknown kv connector"),

@@ -54,10 +54,11 @@ def start_pdc(base: EngineConfig, prefill_instances: int = 1, decode_instances: 
 
     kv = KVTransferConfig(connector="ems", ems_controller=ems_controller, ems_namespace=base.kv_transfer.ems_namespace)
     cfg = replace(base, kv_transfer=kv)
-    # Prefill instances never run a decode step (they hand off after the first token): no
-    # compiling. An SP-TP-SP prefill layout is the prefill role's; decode instances keep the
-    # base layout without it (they continue from the latent KV the prefill saved to EMS).
-    prefill_cfg = replace(cfg, enforce_eager=True)
+    # Prefill instances never run a decode step (they hand off after the first token): they
+    # compile their prefill steps only. An SP-TP-SP prefill layout is the prefill role's (and
+    # runs eager); decode instances keep the base layout without it (they continue from the
+    # latent KV the prefill saved to EMS).
+    prefill_cfg = replace(cfg, compile_decode=False)
     decode_cfg = replace(cfg, parallel=replace(cfg.parallel, prefill_parallel=None, prefill_parallel_size=1)) \
         if cfg.parallel.sequence_parallel else cfg
     if ray_address is None and cfg.num_threads is None:

@@ -70,8 +70,9 @@ def test_compiled_prefill_equals_eager_and_the_warm_up_covers_every_size(tmp_pat
     sent to the compiled graph."""
     make_checkpoint(tmp_path, "v3-qlora-yarn")  # 8 experts, top-3
     blocks, bs = 64, 4
+    # prefill compiled alone, as on a PDC prefill instance: it still gets the pad block
     compiled = ModelRunner(load_model(tmp_path, dtype="float32"), num_blocks=blocks, block_size=bs, device=CPU,
-                           compile_decode=True, compile_prefill=True)
+                           compile_decode=False, compile_prefill=True)
     eager = ModelRunner(load_model(tmp_path, dtype="float32"), num_blocks=blocks, block_size=bs, device=CPU)
     prefill = compiled.compiled_prefill
     assert prefill.pad_block == blocks and compiled.kv_cache.shape[1] == blocks + 1
