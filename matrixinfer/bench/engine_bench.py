@@ -52,6 +52,10 @@ class EngineBenchResult:
     eager_profile_top_ops: list
     cpu: dict
     peers: list = field(default_factory=list)  # PeerResult dicts (llama.cpp, vLLM) when --peers ran them
+    # every prompt through prefill (TTFT of the last request; transformers: one forward of the batch)
+    matrixinfer_prefill_ms: float = float("nan")
+    eager_prefill_ms: float = float("nan")
+    transformers_prefill_ms: float = float("nan")
 
 
 def measure_bandwidth(n_bytes: int = 256 * 2**20, repeats: int = 5) -> float:
@@ -126,6 +130,7 @@ class MatrixinferRun(NamedTuple):
     top_ops: list
     tokens: list[list[int]]  # each request's output token ids
     tpot_s: tuple[float, ...] = ()  # per request, (last token - first token) / (tokens - 1), when asked
+    prefill_s: float = float("nan")  # from the start until every prompt is through prefill (the last TTFT)
 
 
 def run_matrixinfer(model_dir, dtype, prompts, output_len, profile: bool, enforce_eager: bool = False,
@@ -149,7 +154,7 @@ def run_matrixinfer(model_dir, dtype, prompts, output_len, profile: bool, enforc
         engine.add_request(f"bench-{i}", {"prompt_token_ids": p}, params)
     decode_times, top_ops, tokens = [], [], {}
     first, last = {}, {}  # per_request_tpot: when each request's first and last tokens came out
-    start = time.perf_counter()
+    start, prefill_s = time.perf_counter(), float("nan")
     desc = "matrixinfer eager" if enforce_eager else "matrixinfer"
     with tqdm(total=output_len, desc=desc, unit="step") as bar:  # about one step per output token
         while engine.has_unfinished_requests():
@@ -161,6 +166,9 @@ def run_matrixinfer(model_dir, dtype, prompts, output_len, profile: bool, enforc
             if all_decode and running == len(prompts):
                 decode_times.append((time.perf_counter() - t) / max(steps, 1))
             bar.update(steps)
+            if prefill_s != prefill_s and not engine.scheduler.waiting and \
+                    all(s.num_uncomputed <= 1 for s in engine.scheduler.running):
+                prefill_s = time.perf_counter() - start
             if per_request_tpot:  # as a streaming client times them, outside the timed step
                 now = time.perf_counter()
                 first.update((r.request_id, now) for r in engine.scheduler.running
@@ -173,7 +181,8 @@ def run_matrixinfer(model_dir, dtype, prompts, output_len, profile: bool, enforc
         top_ops = profile_decode(llm, prompts, output_len)
     step = _median(decode_times) if decode_times else float("nan")
     tpot = [(last[r] - first[r]) / (output_len - 1) for r in last if r in first] if output_len > 1 else []
-    return MatrixinferRun(llm, elapsed, step, top_ops, [tokens[f"bench-{i}"] for i in range(len(prompts))], tuple(tpot))
+    return MatrixinferRun(llm, elapsed, step, top_ops, [tokens[f"bench-{i}"] for i in range(len(prompts))], tuple(tpot),
+                          prefill_s)
 
 
 def profile_decode(llm, prompts, output_len, steps: int = 10) -> list:
@@ -220,7 +229,7 @@ def run_transformers(model_dir, dtype, prompts, output_len):
         out = model.generate(ids, max_new_tokens=output_len, min_new_tokens=output_len, **kwargs)
         elapsed = time.perf_counter() - t
     assert out.shape[1] == width + output_len
-    return elapsed, (elapsed - prefill) / max(1, output_len - 1)
+    return elapsed, (elapsed - prefill) / max(1, output_len - 1), prefill
 
 
 def _display_path(path) -> str:
@@ -251,11 +260,11 @@ def run(model_dir: str, requests: int, input_len: int, output_len: int, dtype: s
         if i == 0:  # the first engine: the cold (or disk-cached) compile of the decode and prefill graphs
             runner = mi.llm.engine.worker.runner
             compile_s = runner.compiled_decode.compile_s + runner.compiled_prefill.compile_s
-        ours.append((mi.seconds, mi.decode_step_s))
+        ours.append((mi.seconds, mi.decode_step_s, mi.prefill_s))
         top_ops, our_tokens = mi.top_ops, mi.tokens
         mi.llm.shutdown()
         ea = run_matrixinfer(model_dir, dtype, prompts, output_len, last, enforce_eager=True, warm_prompts=warm)
-        eager.append((ea.seconds, ea.decode_step_s))
+        eager.append((ea.seconds, ea.decode_step_s, ea.prefill_s))
         eager_ops, llm = ea.top_ops, ea.llm
         hf.append(run_transformers(model_dir, dtype, prompts, output_len))
         for engine in peers.engines() if peers else []:
@@ -282,6 +291,8 @@ def run(model_dir: str, requests: int, input_len: int, output_len: int, dtype: s
         memory_bandwidth_gb_s=bw / 1e9, flops_per_decode_step=step_flops, matmul_gflops=peak / 1e9, repeats=repeats, matrixinfer_seconds=ours_s, transformers_seconds=hf_s,
         profile_top_ops=top_ops, eager_profile_top_ops=eager_ops, cpu=cpu_info(),
         peers=[asdict(sorted(rs, key=lambda r: r.seconds)[len(rs) // 2]) for rs in peer_runs.values()],
+        matrixinfer_prefill_ms=_median([o[2] for o in ours]) * 1e3, eager_prefill_ms=_median([o[2] for o in eager]) * 1e3,
+        transformers_prefill_ms=_median([h[2] for h in hf]) * 1e3,
     )
 
 
@@ -289,10 +300,12 @@ def report(results: list[EngineBenchResult], name: str = "engine") -> None:
     rows = [[r.requests, r.input_len, r.output_len, r.dtype, r.threads, r.matrixinfer_tokens_per_s,
              r.eager_tokens_per_s, r.transformers_tokens_per_s, f"{r.compiled_over_eager:.2f}x", f"{r.ratio:.2f}x",
              r.matrixinfer_decode_step_ms, r.eager_decode_step_ms, r.transformers_decode_step_ms,
-             r.floor_decode_step_ms, r.compile_s] for r in results]
+             r.floor_decode_step_ms, r.matrixinfer_prefill_ms, r.eager_prefill_ms, r.transformers_prefill_ms,
+             r.compile_s] for r in results]
     table = markdown_table(["requests", "input", "output", "dtype", "threads", "matrixinfer tok/s", "eager tok/s",
                             "transformers tok/s", "compiled / eager", "matrixinfer / HF", "our step ms",
-                            "eager step ms", "HF step ms", "floor step ms", "compile s"], rows)
+                            "eager step ms", "HF step ms", "floor step ms", "our prefill ms",
+                            "eager prefill ms", "HF prefill ms", "compile s"], rows)
     last = max((r for r in results if r.profile_top_ops), key=lambda r: r.requests, default=results[-1])
     small = min((r for r in results if r.profile_top_ops), key=lambda r: r.requests, default=results[-1])
     cpu = last.cpu
@@ -318,7 +331,9 @@ def report(results: list[EngineBenchResult], name: str = "engine") -> None:
           f"bytes it must read ({last.bytes_per_decode_step / 1e6:.1f} MB at {last.requests} requests: active weights "
           f"+ latent KV) over the measured copy bandwidth ({last.memory_bandwidth_gb_s:.1f} GB/s) and the matmul "
           f"FLOPs it must do ({last.flops_per_decode_step / 1e9:.2f} GFLOP) over the measured dense matmul rate "
-          f"({last.matmul_gflops:.0f} GFLOP/s). `compile s`: the decode and prefill steps' graphs compiled when the engine "
+          f"({last.matmul_gflops:.0f} GFLOP/s). `prefill ms`: from the start until every prompt is through "
+          f"prefill, the last request's time to first token (transformers: one forward of the padded batch). "
+          f"`compile s`: the decode and prefill steps' graphs compiled when the engine "
           f"starts (from inductor's disk cache when an earlier run filled it; later engines of the process trace their "
           f"own graphs again: each model instance keeps its own).\n\n{table}\n\n![engine](engine.png)\n{profiles}")
     if any(r.peers for r in results):

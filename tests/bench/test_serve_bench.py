@@ -43,5 +43,6 @@ def test_offline_reference_times_each_request_as_a_client_does():
                           enforce_eager=True, per_request_tpot=True)
     run.llm.shutdown()
     assert len(run.tpot_s) == 2
+    assert 0 < run.prefill_s < run.seconds  # the engine bench's prefill column: both prompts through prefill
     for tpot in run.tpot_s:
         assert 0.5 * run.decode_step_s <= tpot and tpot * (n - 1) <= run.seconds
