@@ -284,8 +284,8 @@ class EngineConfig:
     num_threads: int | None = None  # intra-op threads per rank (None: torch's default, or cores / ranks)
     load_format: str = "disk"  # "disk" | "ems": weights through the EMS model cache (one copy in the pool)
     model_source_mbps: float = 0.0  # with "ems": read the model directory at this cap (a stand-in for object storage)
-    # False: decode-only steps run a torch.compile'd forward (inductor; compiled at start-up,
-    # cached on disk by inductor). MATRIXINFER_ENFORCE_EAGER=1 flips the default (the test suite does).
+    # False: decode-only steps and steps of whole new prompts run torch.compile'd forwards
+    # (inductor; compiled at start-up, cached on disk by inductor). MATRIXINFER_ENFORCE_EAGER=1 flips the default (the test suite does).
     enforce_eager: bool = field(default_factory=lambda: os.environ.get("MATRIXINFER_ENFORCE_EAGER", "0") == "1")
     # Steps of whole new prompts run a compiled forward too (worker/compiled_prefill.py);
     # False keeps them eager (an A/B switch, and a shorter start-up).

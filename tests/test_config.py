@@ -34,7 +34,10 @@ def test_keywords_land_in_their_sections():
 def test_which_steps_compile():
     """Both steps compile by default; compile_decode=False (a PDC prefill instance) keeps the
     prefill graphs; eager, speculation and expert parallelism compile neither."""
-    on = lambda **kw: (EngineConfig.from_kwargs("m", **kw).compiles_decode, EngineConfig.from_kwargs("m", **kw).compiles_prefill)
+    def on(**kw) -> tuple[bool, bool]:
+        cfg = EngineConfig.from_kwargs("m", **kw)
+        return cfg.compiles_decode, cfg.compiles_prefill
+
     assert on(enforce_eager=False) == (True, True)
     assert on(enforce_eager=False, compile_decode=False) == (False, True)
     assert on(enforce_eager=False, compile_prefill=False) == (True, False)

@@ -11,6 +11,7 @@ time goes, eager and compiled, and the header names the CPU kernel path that ran
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -166,7 +167,7 @@ def run_matrixinfer(model_dir, dtype, prompts, output_len, profile: bool, enforc
             if all_decode and running == len(prompts):
                 decode_times.append((time.perf_counter() - t) / max(steps, 1))
             bar.update(steps)
-            if prefill_s != prefill_s and not engine.scheduler.waiting and \
+            if math.isnan(prefill_s) and not engine.scheduler.waiting and \
                     all(s.num_uncomputed <= 1 for s in engine.scheduler.running):
                 prefill_s = time.perf_counter() - start
             if per_request_tpot:  # as a streaming client times them, outside the timed step

@@ -52,12 +52,11 @@ def warm_sizes(max_tokens: int) -> list[int]:
     return sorted({s for s in sizes + [max_tokens] if s <= max_tokens})
 
 
-def mark_packed_weights_static(model: torch.nn.Module) -> int:
+def mark_packed_weights_static(model: torch.nn.Module) -> None:
     """Mark the modules' plain tensor attributes (the few-rows operator's packed weights, the
     absorbed MLA weights, the cache views: not parameters, so dynamic=True makes their sizes symbolic) static.
     Symbolic, duck sizing tied them to inputs of equal size: a dummy step's 3 prompt offsets to
-    a 3-row weight, and every later step of another prompt count recompiled. Returns how many."""
-    marked = 0
+    a 3-row weight, and every later step of another prompt count recompiled."""
     for module in model.modules():
         owned = set(module._parameters) | set(module._buffers)
         for name, value in vars(module).items():
@@ -65,8 +64,6 @@ def mark_packed_weights_static(model: torch.nn.Module) -> int:
                 if isinstance(t, torch.Tensor) and name not in owned:
                     for u in (t, t._base) if t._base is not None else (t,):  # a cache view's base is an input too
                         torch._dynamo.mark_static(u)
-                    marked += 1
-    return marked
 
 
 class CompiledPrefill:
