@@ -282,6 +282,10 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     num_threads: int | None = None  # intra-op threads per rank (None: torch's default, or cores / ranks)
+    # niceness the engine core process (and its rank processes) runs at: the front end and the
+    # clients streaming its tokens wake for short bursts and preempt it instead of waiting out a
+    # multi-step run on cores it keeps busy (measured: docs/architecture.md, "Engine core priority")
+    engine_core_nice: int = 10
     load_format: str = "disk"  # "disk" | "ems": weights through the EMS model cache (one copy in the pool)
     model_source_mbps: float = 0.0  # with "ems": read the model directory at this cap (a stand-in for object storage)
     # False: decode-only steps and steps of whole new prompts run torch.compile'd forwards
@@ -330,7 +334,7 @@ class EngineConfig:
         sections = {"kv_transfer_config": "kv_transfer", "speculative_config": "speculative"}
         for key, value in kwargs.items():
             if key in ("dtype", "device", "seed", "load_format", "model_source_mbps", "num_threads", "enforce_eager",
-                       "compile_prefill", "compile_decode"):
+                       "compile_prefill", "compile_decode", "engine_core_nice"):
                 setattr(cfg, key, value)
             elif key in cls._FLAT:
                 section, name = cls._FLAT[key]
@@ -367,6 +371,8 @@ class EngineConfig:
             raise ValueError(f"unknown kv connector {self.kv_transfer.connector!r} (supported: ems)")
         if self.kv_transfer.connector == "ems" and not self.kv_transfer.ems_controller:
             raise ValueError("the ems kv connector needs ems_controller HOST:PORT")
+        if not 0 <= self.engine_core_nice <= 19:
+            raise ValueError(f"engine_core_nice={self.engine_core_nice}: 0..19 (raising a priority needs privileges)")
         if self.load_format not in ("disk", "ems"):
             raise ValueError(f"unknown load_format {self.load_format!r} (disk, ems)")
         if self.speculative.method not in (None, "mtp"):
@@ -492,6 +498,9 @@ class EngineConfig:
                        help="compile decode steps only: prefill steps run eagerly (a shorter start-up)")
         p.add_argument("--num-threads", type=int, default=None,
                        help="intra-op threads per rank (default: the machine's cores over the ranks)")
+        p.add_argument("--engine-core-nice", type=int, default=None,
+                       help="niceness of the engine core processes, so the HTTP front end streaming their tokens "
+                            "preempts them (default: 10; 0 for equal priority)")
         p.add_argument("--deployment", default=None,
                        help="a deployment YAML (see matrixinfer/deployment.py): model, dtype and parallel sizes "
                             "from the file that `matrixinfer simulate deployment` reads")
@@ -545,6 +554,8 @@ class EngineConfig:
             kw["compile_prefill"] = False
         if getattr(args, "num_threads", None):
             kw["num_threads"] = args.num_threads
+        if getattr(args, "engine_core_nice", None) is not None:
+            kw["engine_core_nice"] = args.engine_core_nice
         if getattr(args, "speculative_method", None):
             kw["speculative_config"] = {"method": args.speculative_method,
                                         "num_speculative_tokens": args.num_speculative_tokens}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import signal
+import threading
 
 PR_SET_PDEATHSIG = 1
 
@@ -27,3 +28,21 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
     except OSError:
         pass  # not Linux: the owner's shutdown still stops it
+
+
+def exit_with_parent(parent_pid: int, interval_s: float = 0.5) -> threading.Event:
+    """Exit this process (os._exit) once `parent_pid` is gone, until the returned event is set.
+    For a child busy in work that reads no pipe (an engine core compiling at start-up): a
+    watcher thread sees it reparented. Not PR_SET_PDEATHSIG: that fires when the spawning
+    *thread* ends, and front ends start cores from worker threads too."""
+    import os
+
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(interval_s):
+            if os.getppid() != parent_pid:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+    return done

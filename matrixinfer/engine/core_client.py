@@ -53,12 +53,16 @@ class InprocCoreClient:
         self.core.shutdown()
 
 
-def _core_main(config: EngineConfig, conn, title: str) -> None:
+def _core_main(config: EngineConfig, conn, title: str, parent_pid: int | None = None) -> None:
     """The engine core process: apply requests and aborts, step while there is work, send
-    every step's outputs back."""
-    from matrixinfer.lifetime import ignore_group_signals
+    every step's outputs back. parent_pid: the front end's process, watched while the core
+    starts (a start-up compile does not read the pipe, so its closing goes unseen)."""
+    from matrixinfer.lifetime import exit_with_parent, ignore_group_signals
 
     ignore_group_signals()  # the front end drains, then stops us; its death closes our pipe
+    # before torch starts its threads and the executor its ranks: they inherit it
+    os.nice(config.engine_core_nice)
+    started = exit_with_parent(parent_pid) if parent_pid is not None else None
     try:
         import setproctitle
 
@@ -74,6 +78,8 @@ def _core_main(config: EngineConfig, conn, title: str) -> None:
     core.executor.set_interrupt(conn.poll)  # a message (a request to join, an abort) ends a multi-step run
     conn.send(("ready", (core.max_model_len, core.vocab_size, info.kv_bytes_per_block / config.cache.block_size,
                          info.weights, os.getpid())))
+    if started is not None:
+        started.set()  # from here on the pipe tells us: a closed one ends the loop, which shuts down in order
     try:
         while True:
             if not core.has_unfinished_requests():
@@ -179,7 +185,7 @@ class MPCoreClient(RemoteCoreClient):
         # executors). It still cannot outlive us: the finalizer stops it, at interpreter exit too
         # (registered after multiprocessing's own exit hook, so it runs first: that hook joins
         # non-daemonic children), and a core whose front end is gone sees its pipe close.
-        self.proc = ctx.Process(target=_core_main, args=(config, child, title), name=title, daemon=False)
+        self.proc = ctx.Process(target=_core_main, args=(config, child, title, os.getpid()), name=title, daemon=False)
         self.proc.start()
         child.close()
         self._finalizer = weakref.finalize(self, _stop_core, self.proc, conn)
