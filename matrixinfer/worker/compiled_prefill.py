@@ -26,7 +26,7 @@ import torch
 
 from matrixinfer.model.context import ForwardContext, forward_context
 from matrixinfer.model.deepseek import DeepseekForCausalLM
-from matrixinfer.worker.compiled_decode import compile_options, own_code
+from matrixinfer.worker.compiled_decode import compile_options, mark_packed_weights_static, own_code
 
 log = logging.getLogger(__name__)
 
@@ -50,20 +50,6 @@ def warm_sizes(max_tokens: int) -> list[int]:
         sizes += [p, 3 * p // 2]
         p *= 2
     return sorted({s for s in sizes + [max_tokens] if s <= max_tokens})
-
-
-def mark_packed_weights_static(model: torch.nn.Module) -> None:
-    """Mark the modules' plain tensor attributes (the few-rows operator's packed weights, the
-    absorbed MLA weights, the cache views: not parameters, so dynamic=True makes their sizes symbolic) static.
-    Symbolic, duck sizing tied them to inputs of equal size: a dummy step's 3 prompt offsets to
-    a 3-row weight, and every later step of another prompt count recompiled."""
-    for module in model.modules():
-        owned = set(module._parameters) | set(module._buffers)
-        for name, value in vars(module).items():
-            for t in value if isinstance(value, (tuple, list)) else (value,):
-                if isinstance(t, torch.Tensor) and name not in owned:
-                    for u in (t, t._base) if t._base is not None else (t,):  # a cache view's base is an input too
-                        torch._dynamo.mark_static(u)
 
 
 class CompiledPrefill:
@@ -105,7 +91,7 @@ class CompiledPrefill:
         from torch._dynamo.utils import counters
 
         t, before = time.perf_counter(), counters["stats"]["unique_graphs"]
-        mark_packed_weights_static(self.model)  # now: the weights are packed by the time the engine warms up
+        mark_packed_weights_static(self.model)  # before compiling (a no-op where the decode warm-up did it)
         for n in warm_sizes(max_tokens):
             ids, pos, ctx = self._dummy_step(n, device)
             with forward_context(ctx):

@@ -109,10 +109,7 @@ class Worker:
             compile_decode = self.config.compiles_decode
             runner = ModelRunner(self.model, self.num_blocks, block_size, self.device, compile_decode,
                                  self.config.speculative.num_draft_tokens, self.config.compiles_prefill)
-            if compile_decode:  # compile now (the cache exists), not on the first request
-                runner.compiled_decode.warm_up(self.config.scheduler.max_num_seqs, self.device)
-            if runner.compiled_prefill is not None:
-                runner.compiled_prefill.warm_up(self.config.scheduler.max_num_batched_tokens, self.device)
+            runner.warm_up(self.config.scheduler.max_num_seqs, self.config.scheduler.max_num_batched_tokens)
             return runner
         # expert parallelism runs eagerly: the exchanges' collectives and row counts are not compiled
         from matrixinfer.parallel import get_ep_group

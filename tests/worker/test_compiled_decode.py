@@ -101,3 +101,24 @@ def test_compiled_decode_equals_eager_without_graph_breaks(tmp_path, monkeypatch
     reqs = [ScheduledRequest("t", [1], 5, [0, 1], True)]
     assert torch.allclose(compiled.run(reqs, num_decode=1), eager.run(reqs, num_decode=1), rtol=1e-5, atol=1e-5)
     assert not compiled.compiled_decode.replays
+
+
+@pytest.mark.slow
+def test_decode_graphs_survive_the_prefill_warm_up(tmp_path):
+    """The engine warms both compiled steps (ModelRunner.warm_up: decode, then prefill), and
+    the static markings the prefill graphs need come before the first decode graph: after it,
+    decode steps of a static bucket and of the dynamic graph, sent through torch.compile's own
+    path (the replays set aside), compile nothing. When only the prefill warm-up marked them,
+    every decode graph failed its guards afterwards, and the first served step of 9 sequences
+    (a size that was not replayed) recompiled for 20.5 s."""
+    make_checkpoint(tmp_path, "v3-qlora-yarn")
+    runner = ModelRunner(load_model(tmp_path, dtype="float32"), num_blocks=32, block_size=4,
+                         device=torch.device("cpu"), compile_decode=True, compile_prefill=True)
+    counters.clear()
+    runner.warm_up(max_num_seqs=9, max_num_batched_tokens=8)
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs >= len(STATIC_BATCHES) + 2  # decode buckets, the dynamic graph, a prefill graph
+    runner.compiled_decode.replays.clear()
+    for b in (1, 3, 9):
+        runner.run([ScheduledRequest(f"s{i}", [1], 0, [i], True) for i in range(b)], num_decode=b)
+    assert counters["stats"]["unique_graphs"] == graphs
