@@ -29,7 +29,8 @@ def test_compiled_decode_equals_eager_without_graph_breaks(tmp_path, monkeypatch
     cache views are re-bound.
     One graph per bucket, all compiled by the warm-up: no graph breaks (so no host syncs in
     the MoE) and no recompiles while serving, also when the block tables widen; every batch
-    size up to 12 runs without one. Every graph, static or dynamic, had its guards filtered
+    size up to 12 runs without one, also through torch.compile's guards rather than a replay
+    after the prefill warm-up (which marks weights static: the decode warm-up must mark them first). Every graph, static or dynamic, had its guards filtered
     (once torch.compile took the filter out of a dict both graphs shared, and the dynamic
     graph checked every parameter at every step)."""
     make_checkpoint(tmp_path, "v3-qlora-yarn")  # 8 experts, top-3
@@ -38,7 +39,8 @@ def test_compiled_decode_equals_eager_without_graph_breaks(tmp_path, monkeypatch
     keep = compiled_decode._guards_to_keep
     monkeypatch.setattr(compiled_decode, "_guards_to_keep", lambda entries: filtered.append(1) or keep(entries))
     blocks, bs = 64, 4
-    compiled = ModelRunner(model, num_blocks=blocks, block_size=bs, device=torch.device("cpu"), compile_decode=True)
+    compiled = ModelRunner(model, num_blocks=blocks, block_size=bs, device=torch.device("cpu"), compile_decode=True,
+                           compile_prefill=True)
     # a model of its own: a runner binds its model's layers to its cache
     eager = ModelRunner(load_model(tmp_path, dtype="float32"), num_blocks=blocks, block_size=bs,
                         device=torch.device("cpu"))
@@ -54,6 +56,8 @@ def test_compiled_decode_equals_eager_without_graph_breaks(tmp_path, monkeypatch
     assert len(filtered) == frames
     # every size's graph replays directly: the static buckets and 9 ... 12 of the dynamic graph
     assert sorted(compiled.compiled_decode.replays) == [*STATIC_BATCHES, *range(9, 13)]
+    compiled.compiled_prefill.warm_up(8, torch.device("cpu"))  # after decode, as ModelRunner.warm_up orders them
+    frames += compiled.compiled_prefill.graphs
     for b in (1, 3, 5, 12, 3):
         compiled.kv_cache[:, :blocks].normal_(generator=g)
         eager.kv_cache.copy_(compiled.kv_cache[:, :blocks])
@@ -84,6 +88,15 @@ def test_compiled_decode_equals_eager_without_graph_breaks(tmp_path, monkeypatch
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == frames  # the warm-up compiled every bucket
     assert compiled.compiled_decode.steps == 8 + 5 + 12  # the warm-up's 1, 2, 4, 8, 9 ... 12 and the steps above
+    # past the replays, through torch.compile's guards: the prefill warm-up left the decode
+    # graphs valid (when only it marked the packed weights static, every decode graph failed its
+    # guards afterwards, and a served step of 9 sequences, not replayed, recompiled for 20.5 s)
+    replays = dict(compiled.compiled_decode.replays)
+    compiled.compiled_decode.replays.clear()
+    for b in (1, 3, 9, 12):
+        compiled.run([ScheduledRequest(f"g{i}", [1], 0, [i], True) for i in range(b)], num_decode=b)
+    assert counters["stats"]["unique_graphs"] == frames
+    compiled.compiled_decode.replays.update(replays)
     # the graphs call the operators (paged attention every step, small_mm at 12) through their C
     # shims: none through the dispatcher, where torch.profiler records every call
     from torch.profiler import profile
@@ -102,23 +115,3 @@ def test_compiled_decode_equals_eager_without_graph_breaks(tmp_path, monkeypatch
     assert torch.allclose(compiled.run(reqs, num_decode=1), eager.run(reqs, num_decode=1), rtol=1e-5, atol=1e-5)
     assert not compiled.compiled_decode.replays
 
-
-@pytest.mark.slow
-def test_decode_graphs_survive_the_prefill_warm_up(tmp_path):
-    """The engine warms both compiled steps (ModelRunner.warm_up: decode, then prefill), and
-    the static markings the prefill graphs need come before the first decode graph: after it,
-    decode steps of a static bucket and of the dynamic graph, sent through torch.compile's own
-    path (the replays set aside), compile nothing. When only the prefill warm-up marked them,
-    every decode graph failed its guards afterwards, and the first served step of 9 sequences
-    (a size that was not replayed) recompiled for 20.5 s."""
-    make_checkpoint(tmp_path, "v3-qlora-yarn")
-    runner = ModelRunner(load_model(tmp_path, dtype="float32"), num_blocks=32, block_size=4,
-                         device=torch.device("cpu"), compile_decode=True, compile_prefill=True)
-    counters.clear()
-    runner.warm_up(max_num_seqs=9, max_num_batched_tokens=8)
-    graphs = counters["stats"]["unique_graphs"]
-    assert graphs >= len(STATIC_BATCHES) + 2  # decode buckets, the dynamic graph, a prefill graph
-    runner.compiled_decode.replays.clear()
-    for b in (1, 3, 9):
-        runner.run([ScheduledRequest(f"s{i}", [1], 0, [i], True) for i in range(b)], num_decode=b)
-    assert counters["stats"]["unique_graphs"] == graphs
