@@ -30,9 +30,10 @@ def test_compiled_decode_equals_eager_without_graph_breaks(tmp_path, monkeypatch
     One graph per bucket, all compiled by the warm-up: no graph breaks (so no host syncs in
     the MoE) and no recompiles while serving, also when the block tables widen; every batch
     size up to 12 runs without one, also through torch.compile's guards rather than a replay
-    after the prefill warm-up (which marks weights static: the decode warm-up must mark them first). Every graph, static or dynamic, had its guards filtered
-    (once torch.compile took the filter out of a dict both graphs shared, and the dynamic
-    graph checked every parameter at every step)."""
+    after the prefill warm-up (which marks weights static: the decode warm-up must mark them
+    first). Every graph, static or dynamic, had its guards filtered (once torch.compile took
+    the filter out of a dict both graphs shared, and the dynamic graph checked every parameter
+    at every step)."""
     make_checkpoint(tmp_path, "v3-qlora-yarn")  # 8 experts, top-3
     model = load_model(tmp_path, dtype="float32")
     filtered = []  # one call per graph compiled
@@ -114,4 +115,3 @@ def test_compiled_decode_equals_eager_without_graph_breaks(tmp_path, monkeypatch
     reqs = [ScheduledRequest("t", [1], 5, [0, 1], True)]
     assert torch.allclose(compiled.run(reqs, num_decode=1), eager.run(reqs, num_decode=1), rtol=1e-5, atol=1e-5)
     assert not compiled.compiled_decode.replays
-
