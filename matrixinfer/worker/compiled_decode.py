@@ -98,6 +98,16 @@ def _same_constant(a, a2) -> bool:
     return type(a) is type(a2) is int and a == a2
 
 
+class NotReplayable(Exception):
+    """A compiled decode graph that Replay cannot vouch for; the message says which check failed."""
+
+
+def _describe(a) -> str:
+    if isinstance(a, torch.Tensor):
+        return f"tensor {tuple(a.shape)} {a.dtype}"
+    return f"{type(a).__name__} {a!r}"
+
+
 class Replay:
     """One graph called directly: inductor's compiled callable with its argument list recorded
     once (weights, packed copies, cache views, sizes) and the step's five tensors and table
@@ -110,11 +120,11 @@ class Replay:
     checked on every call (a runner that re-binds them drops the replays).
 
     Recording rests on inductor's CompiledFxGraph (what torch.compile runs last) and two
-    steps of one batch size at different table widths; `record` returns None, and the size
-    keeps the torch.compile path, where it cannot vouch for the recording: not one graph call
-    a step, the two steps in different graphs, an argument other than the step's tensors and
-    the width that differs between them, or a replay whose outputs differ from the compiled
-    path's."""
+    steps of one batch size at different table widths; `record` raises NotReplayable, and the
+    size keeps the torch.compile path, where it cannot vouch for the recording: not one graph
+    call a step, the two steps in different graphs, an argument other than the step's tensors
+    and the width that differs between them, or a replay whose outputs differ from the
+    compiled path's. The exception says which, so a warm-up log names the check that failed."""
 
     def __init__(self, fn, args: list, places: list[tuple[int, int]], width_places: list[int], layers: list):
         self.fn, self.args, self.places, self.width_places = fn, args, places, width_places
@@ -145,29 +155,31 @@ class Replay:
         lens) of one batch size and different table widths, recording the graph calls; then
         replay the second and compare."""
         runs = [cls._spy(compiled, inputs) for inputs in steps]
-        if any(len(calls) != 1 for _, calls in runs):
-            return None
+        counts = [len(calls) for _, calls in runs]
+        if counts != [1, 1]:
+            raise NotReplayable(f"inductor graph calls per step: {counts}, not one")
         (fn, args), (fn2, args2) = runs[0][1][0], runs[1][1][0]
         if fn2 is not fn or len(args2) != len(args):
-            return None
+            raise NotReplayable(f"the two table widths ran different graphs ({len(args)} and {len(args2)} arguments)")
         where = [{id(t): i for i, t in enumerate(inputs)} for inputs in steps]
         widths = [inputs[3].shape[1] for inputs in steps]
         places, width_places = [], []
         for j, (a, a2) in enumerate(zip(args, args2)):
             if isinstance(a, torch.Tensor) and id(a) in where[0]:
                 if where[1].get(id(a2)) != where[0][id(a)]:
-                    return None
+                    raise NotReplayable(f"argument {j} is step input {where[0][id(a)]} in one step only")
                 places.append((j, where[0][id(a)]))
             elif not isinstance(a, torch.Tensor) and [a, a2] == widths:
                 width_places.append(j)
             elif a is not a2 and not _same_constant(a, a2):
-                return None
+                raise NotReplayable(f"argument {j} differs between the steps and is neither a step input nor "
+                                    f"the table width: {_describe(a)} vs {_describe(a2)}")
         if len({i for _, i in places}) != len(places):
-            return None
+            raise NotReplayable("a step input fills two argument places")
         replay = cls(fn, args2, places, width_places, model.attention_layers())
         got, want = replay(*steps[1]), runs[1][0]
         if len(got) != len(want) or not all(torch.equal(g, w) for g, w in zip(got, want)):
-            return None
+            raise NotReplayable("the replay's outputs differ from the compiled path's")
         return replay
 
     def valid(self) -> bool:
@@ -267,11 +279,10 @@ class CompiledDecode:
             inputs = self._dummy_step(b, MIN_TABLE_WIDTH, device)
             self(*inputs[:2], decode_context(inputs))
             steps = [self._dummy_step(b, width, device) for width in (MIN_TABLE_WIDTH + 1, MIN_TABLE_WIDTH + 2)]
-            replay = Replay.record(lambda *inputs: self._compiled(inputs), self.model, steps)
-            if replay is None:
-                log.warning("decode step of %d: the compiled graph could not be recorded for replay; "
-                            "it runs through torch.compile", b)
-            else:
-                self.replays[b] = replay
+            try:
+                self.replays[b] = Replay.record(lambda *inputs: self._compiled(inputs), self.model, steps)
+            except NotReplayable as why:
+                log.warning("decode step of %d: the compiled graph could not be recorded for replay (%s); "
+                            "it runs through torch.compile", b, why)
         self.compile_s = time.perf_counter() - t
         return self.compile_s

@@ -8,7 +8,7 @@ from matrixinfer.engine.scheduler import ScheduledRequest
 from matrixinfer.kernels import argmax_rows
 from matrixinfer.model.loader import load_model
 from matrixinfer.worker import compiled_decode
-from matrixinfer.worker.compiled_decode import STATIC_BATCHES, padded_batch
+from matrixinfer.worker.compiled_decode import STATIC_BATCHES, NotReplayable, Replay, padded_batch
 from matrixinfer.worker.model_runner import ModelRunner
 from tests.hf_fixtures import make_checkpoint
 
@@ -16,6 +16,23 @@ from tests.hf_fixtures import make_checkpoint
 def test_small_batches_pad_to_a_static_bucket():
     assert [padded_batch(n) for n in (1, 2, 3, 5, 8, 9, 33)] == [1, 2, 4, 8, 8, 9, 33]
     assert STATIC_BATCHES[0] == 1
+
+
+def test_a_step_that_is_not_one_graph_call_is_not_replayed_and_says_why():
+    """Replay.record refuses a step it cannot vouch for and names the failed check (the
+    warm-up logs it): an eager step runs no inductor graph, a step with a graph break two."""
+
+    def two_graphs(ids, pos, slots, tables, lens):
+        x = ids * 2
+        torch._dynamo.graph_break()
+        return (x + pos,)
+
+    steps = [(torch.arange(3), torch.arange(3), torch.arange(3), torch.zeros(3, w, dtype=torch.long),
+              torch.ones(3, dtype=torch.long)) for w in (3, 4)]
+    with pytest.raises(NotReplayable, match=r"graph calls per step: \[0, 0\]"):
+        Replay.record(lambda *inputs: (inputs[0] + 1,), None, steps)
+    with pytest.raises(NotReplayable, match=r"graph calls per step: \[2, 2\]"):
+        Replay.record(torch.compile(two_graphs), None, steps)
 
 
 @pytest.mark.slow

@@ -58,7 +58,11 @@ class LinearMethodBase:
 # the projections together 2.3-2.6x oneDNN's bfloat16 GEMM at 8 rows, 1.7-1.8x at 16, 1.2-1.4x
 # at 32, level at 64; the engine's step at 32 sequences 5.2-5.6 -> 4.2-4.3 ms (35 operator calls
 # a step instead of 15). With AMX, oneDNN's tiles take over from 9 rows as before.
-SMALL_MM_ROWS = {torch.bfloat16: 8 if AMX_BF16 else 32, torch.float32: 8}
+# float32 on AMD EPYCs: MKL's GEMM (not tuned for them) stays slow past 8 rows, and the decode
+# step doubled from 8 to 9 sequences (512 + 64 model, Zen 4: 4.3-4.7 -> 9.2-9.3 ms); small_mm up
+# to 32 rows: 4.8-6.0 ms at 9, 10.0-11.1 vs 11.8-14.0 at 32; bundled model 2.05-2.30 vs 2.68-3.74
+# at 32 (compiled steps, interleaved runs). MKL on Intel keeps 8 (it led there at few rows).
+SMALL_MM_ROWS = {torch.bfloat16: 8 if AMX_BF16 else 32, torch.float32: 8 if INTEL else 32}
 _MKL_LEADS = AVX512 and INTEL  # float32 few-row GEMMs: MKL ahead of small_mm (below)
 # The dtypes for which it also runs inside a compiled step (bundled model, float32, median
 # engine step at batch 1). float32 on an Intel Xeon with AVX-512 does not: there inductor's graph
