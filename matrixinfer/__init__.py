@@ -1,6 +1,7 @@
-"""matrixinfer: CloudMatrix-Infer for DeepSeek-style MoE models in Python: a serving instance,
-the Elastic Memory Service, an OpenAI-compatible token service and a CloudMatrix384 simulator
-(the disaggregated prefill/decode stack of the paper is not built yet; see README)."""
+"""matrixinfer: CloudMatrix-Infer for DeepSeek-style MoE models in Python: serving instances
+disaggregated into prefill, decode and caching roles over the Elastic Memory Service, expert
+parallelism, INT8, MTP, an OpenAI-compatible token service and a CloudMatrix384 simulator
+(README; docs/architecture.md)."""
 
 __version__ = "0.1.0"
 

@@ -203,11 +203,11 @@ def profile_decode(llm, prompts, output_len, steps: int = 10) -> list:
     while any(s.num_uncomputed > 1 for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
     decode_steps = engine.scheduler.stats.steps
-    t = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t = time.perf_counter()  # inside: the profiler's own start and stop took longer than the steps
         for _ in range(steps):
             engine.step()
-    wall_us = (time.perf_counter() - t) * 1e6
+        wall_us = (time.perf_counter() - t) * 1e6
     decode_steps = max(engine.scheduler.stats.steps - decode_steps, 1)  # a multi-step call runs several
     for rid in list(engine.output_processor.requests):
         engine.abort_request(rid)
@@ -326,7 +326,8 @@ def report(results: list[EngineBenchResult], name: str = "engine") -> None:
     for r in [small] if small is last else [small, last]:
         if r.profile_top_ops:
             profiles += (f"\nWhere a decode step's time goes at {r.requests} request(s), eager and then compiled "
-                         f"(torch.profiler, self CPU time; % of the profiled wall time, ms per decode step; "
+                         f"(torch.profiler, self CPU time; % of the profiled steps' wall time, ms per decode "
+                         f"step, both under the profiler, which adds to each operator it records; "
                          f"`{UNTRACED}`: the wall time the profiler saw no operator in, the replayed "
                          f"graph's own kernels and the engine's Python):\n\n"
                          f"{markdown_table(['op (eager)', '% self CPU', 'ms / step'], r.eager_profile_top_ops)}\n\n"

@@ -17,7 +17,7 @@ def test_profile_shares_are_of_the_wall_time_and_count_what_no_operator_covers(t
                  use_tqdm=False)
     t = time.perf_counter()
     rows = profile_decode(llm, prompts, output_len=32, steps=10)
-    per_step_ms = (time.perf_counter() - t) * 1e3 / 10  # the prefill steps before it too: an upper bound
+    per_step_ms = (time.perf_counter() - t) * 1e3 / 10  # with the prefill and the profiler around it: an upper bound
     assert rows and all(len(r) == 3 for r in rows)
     assert [r[1] for r in rows] == sorted((r[1] for r in rows), reverse=True)
     assert sum(r[1] for r in rows) <= 100.5
