@@ -202,13 +202,13 @@ def profile_decode(llm, prompts, output_len, steps: int = 10) -> list:
         engine.add_request(f"prof-{i}", {"prompt_token_ids": p}, params)
     while any(s.num_uncomputed > 1 for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
-    decode_steps = engine.scheduler.stats.steps
+    steps_before = engine.scheduler.stats.steps
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         t = time.perf_counter()  # inside: the profiler's own start and stop took longer than the steps
         for _ in range(steps):
             engine.step()
         wall_us = (time.perf_counter() - t) * 1e6
-    decode_steps = max(engine.scheduler.stats.steps - decode_steps, 1)  # a multi-step call runs several
+    decode_steps = max(engine.scheduler.stats.steps - steps_before, 1)  # a multi-step call runs several
     for rid in list(engine.output_processor.requests):
         engine.abort_request(rid)
     rows = [(e.key, e.self_cpu_time_total) for e in prof.key_averages()]

@@ -117,9 +117,9 @@ def test_small_mm_equals_linear_per_row(dtype, k, n):
     """Each row times its expert's packed matrix, as F.linear computes it in float32 from the
     same inputs: rows in any order, experts with one to nine rows (tiles of four, two, one) and
     one with none, K off the vector sizes, N of 1, 3 and 24 blocks of 16 (passes of four blocks
-    and the rest), and the dense form (one matrix, no expert ids) at 3 and 17 rows. float32 to 1e-5; bfloat16
-    within the rounding of its output (float32 accumulation). pack_small_mm declines what the
-    operator cannot take (N off the block, an odd K in bfloat16)."""
+    and the rest), and the dense form (one matrix, no expert ids) at 3 and 17 rows. float32 to
+    1e-5; bfloat16 within the rounding of its output (float32 accumulation). pack_small_mm
+    declines what the operator cannot take (N off the block, an odd K in bfloat16)."""
     from matrixinfer.kernels import pack_small_mm, small_mm, small_mm_serves
 
     if not small_mm_serves(dtype, torch.device("cpu")):
