@@ -32,7 +32,8 @@ class EngineCore:
             self.executor.shutdown()
             raise
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, connector,
-                                   config.speculative.num_draft_tokens, config.decode_steps)
+                                   config.speculative.num_draft_tokens, config.decode_steps,
+                                   prompts_alone=config.compiles_prefill)
 
     def add_request(self, r: EngineCoreRequest) -> None:
         """r was validated once, by the front end's Processor."""

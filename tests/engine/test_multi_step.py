@@ -100,7 +100,9 @@ def test_multi_step_greedy_output_is_token_identical(tmp_path):
     and finish reasons, with stop ids hit inside a multi-step run, max_tokens that are not
     multiples of 5, more prompts than max_num_seqs (arrivals wait, then join at a schedule),
     and a sampling request in the mix (single steps while it runs, its tokens seeded); and with
-    runs that an interrupt (the engine core's: a message arrived) ends early."""
+    runs that an interrupt (the engine core's: a message arrived) ends early. The single-step
+    run mixes each joining prompt into the decodes' step; the others step it alone
+    (Scheduler.prompts_alone, on with the compiled prefill)."""
     make_checkpoint(tmp_path, "v3-noqlora")
     llm = LLM(model=tmp_path, dtype="float32", block_size=4, max_num_seqs=4, enable_prefix_caching=False,
               enforce_eager=False)
@@ -117,17 +119,22 @@ def test_multi_step_greedy_output_is_token_identical(tmp_path):
     params[1] = SamplingParams(temperature=0.9, max_tokens=4, seed=4)
     runs, covered = [], []
     schedule = scheduler.schedule
-    scheduler.schedule = lambda: covered.append(schedule()) or covered[-1]
-    for k, interrupt in ((1, None), (5, None), (5, lambda: next(calls) % 3 == 2)):
+    scheduler.schedule = lambda: covered.append((schedule(), len(scheduler.running))) or covered[-1][0]
+    assert scheduler.prompts_alone
+    for k, interrupt, alone in ((1, None, False), (5, None, True), (5, lambda: next(calls) % 3 == 2, True)):
         calls = iter(range(10**6))
-        scheduler.num_steps, llm.engine.worker.runner.interrupt = k, interrupt
+        scheduler.num_steps, llm.engine.worker.runner.interrupt, scheduler.prompts_alone = k, interrupt, alone
+        n = len(covered)
         outs = llm.generate(prompts, params, use_tqdm=False)
         runs.append([(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs])
+        # steps of joining prompts only, while others ran: in the runs with prompts alone
+        alone_steps = sum(1 for s, running in covered[n:] if s.num_decode == 0 and len(s.requests) < running)
+        assert (alone_steps > 0) == alone
     assert runs[0] == runs[1] == runs[2]
     for (tokens, reason), r, p in zip(runs[1], ref, params):
         if p.temperature == 0:
             assert reason == "stop" and tokens == r[:r.index(p.stop_token_ids[0]) + 1]
-    assert max(s.num_steps for s in covered) == 5
+    assert max(s.num_steps for s, _ in covered) == 5
 
 
 def test_kv_connector_saves_the_blocks_a_multi_step_run_completed():
