@@ -136,14 +136,16 @@ class MatrixinferRun(NamedTuple):
 
 def run_matrixinfer(model_dir, dtype, prompts, output_len, profile: bool, enforce_eager: bool = False,
                     per_request_tpot: bool = False, warm_prompts: list[list[int]] | None = None,
-                    compile_prefill: bool = True) -> MatrixinferRun:
+                    compile_prefill: bool = True, max_num_seqs: int = 64,
+                    max_num_batched_tokens: int = 2048) -> MatrixinferRun:
     """Our engine on prompts after a warm-up generation of the same shape, as the peers get:
-    warm_prompts, by default each prompt reversed (other ids, so no prefix-cache hit)."""
+    warm_prompts, by default each prompt reversed (other ids, so no prefix-cache hit). The
+    engine's limits (raised to fit the requests) size its compile warm-up, as `serve`'s do."""
     from matrixinfer import LLM, SamplingParams
     from matrixinfer.engine.sampling_params import RequestOutputKind
 
-    llm = LLM(model=model_dir, dtype=dtype, max_num_seqs=max(64, len(prompts)),
-              max_num_batched_tokens=max(2048, len(prompts[0]) * 4), enforce_eager=enforce_eager,
+    llm = LLM(model=model_dir, dtype=dtype, max_num_seqs=max(max_num_seqs, len(prompts)),
+              max_num_batched_tokens=max(max_num_batched_tokens, len(prompts[0]) * 4), enforce_eager=enforce_eager,
               compile_prefill=compile_prefill)
     # one output per request when it finishes, as LLM.generate asks (and transformers returns)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True,
@@ -255,7 +257,8 @@ def _median(xs):
 
 
 def run(model_dir: str, requests: int, input_len: int, output_len: int, dtype: str, threads: int,
-        profile: bool = True, repeats: int = 3, peers=None, peer_cache: Path | None = None) -> EngineBenchResult:
+        profile: bool = True, repeats: int = 3, peers=None, peer_cache: Path | None = None,
+        max_num_seqs: int = 64, max_num_batched_tokens: int = 2048) -> EngineBenchResult:
     """Every side `repeats` times, interleaved so that drifts of a shared machine hit all;
     medians reported. `peers` (bench/peers.py): llama.cpp / vLLM run in their own processes, one
     at a time, on the same requests, after each round of ours."""
@@ -269,14 +272,16 @@ def run(model_dir: str, requests: int, input_len: int, output_len: int, dtype: s
     ours, eager, hf, peer_runs = [], [], [], {}
     for i in range(repeats):
         last = profile and i == repeats - 1
-        mi = run_matrixinfer(model_dir, dtype, prompts, output_len, last, warm_prompts=warm)
+        limits = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+        mi = run_matrixinfer(model_dir, dtype, prompts, output_len, last, warm_prompts=warm, **limits)
         if i == 0:  # the first engine: the cold (or disk-cached) compile of the decode and prefill graphs
             runner = mi.llm.engine.worker.runner
             compile_s = runner.compiled_decode.compile_s + runner.compiled_prefill.compile_s
         ours.append((mi.seconds, mi.decode_step_s, mi.prefill_s))
         top_ops, our_tokens = mi.top_ops, mi.tokens
         mi.llm.shutdown()
-        ea = run_matrixinfer(model_dir, dtype, prompts, output_len, last, enforce_eager=True, warm_prompts=warm)
+        ea = run_matrixinfer(model_dir, dtype, prompts, output_len, last, enforce_eager=True, warm_prompts=warm,
+                             **limits)
         eager.append((ea.seconds, ea.decode_step_s, ea.prefill_s))
         eager_ops, llm = ea.top_ops, ea.llm
         hf.append(run_transformers(model_dir, dtype, prompts, output_len))
@@ -459,7 +464,8 @@ def main(args) -> int:
         for n in args.requests:
             results.append(run(args.model, n, input_len, output_len, args.dtype, args.threads,
                                profile=not args.no_profile, repeats=args.repeats, peers=peers,
-                               peer_cache=Path(args.out) / "peers"))
+                               peer_cache=Path(args.out) / "peers", max_num_seqs=args.max_num_seqs,
+                               max_num_batched_tokens=args.max_num_batched_tokens))
             r = results[-1]
             print(f"{n} requests, {input_len}+{output_len} tokens: matrixinfer {r.matrixinfer_tokens_per_s:.1f} "
                   f"tok/s (eager {r.eager_tokens_per_s:.1f}), transformers {r.transformers_tokens_per_s:.1f} tok/s, "

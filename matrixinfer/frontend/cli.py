@@ -64,6 +64,11 @@ def register(sub, bench_sub) -> None:
     b.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     b.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     b.add_argument("--repeats", type=int, default=3, help="runs of each side, interleaved; medians reported")
+    b.add_argument("--max-num-seqs", type=int, default=64,
+                   help="our engine's limits (raised to fit the requests), which size its compile warm-up as "
+                        "serve's do: decode batch sizes up to this")
+    b.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="and prefill token counts up to this (at least 4 prompts' worth)")
     b.add_argument("--no-profile", action="store_true")
     b.add_argument("--no-write", action="store_true", help="do not write benchmarks/")
     b.add_argument("--json", action="store_true", help="print one JSON object on the last line")

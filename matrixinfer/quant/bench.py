@@ -339,7 +339,7 @@ def _weight_bytes(model) -> int:
 
 
 def engine_rows(float_dir: str, int8_dir: str, requests: list[int], input_len: int, output_len: int,
-                repeats: int) -> list[dict]:
+                repeats: int, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048) -> list[dict]:
     """BF16 (the float checkpoint at dtype bfloat16) vs the INT8 checkpoint (its float layers in
     bfloat16) on the same greedy requests: decode tokens/s from the median all-decode step,
     `repeats` runs of each interleaved."""
@@ -353,7 +353,8 @@ def engine_rows(float_dir: str, int8_dir: str, requests: list[int], input_len: i
         mem = {}
         for _ in range(repeats):
             for name, ckpt in (("bf16", float_dir), ("int8", int8_dir)):
-                mi = run_matrixinfer(ckpt, "bfloat16", prompts_all[:n], output_len, False)
+                mi = run_matrixinfer(ckpt, "bfloat16", prompts_all[:n], output_len, False, max_num_seqs=max_num_seqs,
+                                     max_num_batched_tokens=max_num_batched_tokens)
                 steps[name].append(mi.decode_step_s)
                 mem[name] = _weight_bytes(mi.llm.engine.model)
                 mi.llm.shutdown()
@@ -383,7 +384,7 @@ def cmd_bench_engine_int8(args) -> int:
             quantize_checkpoint(Path(args.model), int8_dir, QuantizeOptions(),
                                 calibration_windows(Path(args.model), 16, 256), show_progress=False)
         rows = engine_rows(str(args.model), int8_dir, args.requests, args.input_len[0], args.output_len[0],
-                           args.repeats)
+                           args.repeats, args.max_num_seqs, args.max_num_batched_tokens)
     path = cpu_path()
     save_json("engine_int8", {"model": str(args.model), "threads": args.threads, "path": path,
                               "input_len": args.input_len[0], "output_len": args.output_len[0], "rows": rows})

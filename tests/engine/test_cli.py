@@ -24,9 +24,10 @@ def test_generate_missing_model_is_a_clear_error(tmp_path):
 
 def test_bench_engine_json_last_line(text_checkpoint):
     """The benchmark runs our engine compiled and eager and transformers on the same requests
-    and ends with one JSON object."""
+    and ends with one JSON object (the engine's limits kept small: they size the compile)."""
     out = run_cli("bench", "engine", "--model", str(text_checkpoint[0]), "--requests", "2", "--input-len", "8",
-                  "--output-len", "4", "--no-write", "--no-profile", "--threads", "1", "--repeats", "1", "--json")
+                  "--output-len", "4", "--no-write", "--no-profile", "--threads", "1", "--repeats", "1", "--json",
+                  "--max-num-seqs", "4", "--max-num-batched-tokens", "32")
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["matrixinfer_tokens_per_s"] > 0 and result["transformers_tokens_per_s"] > 0
