@@ -67,8 +67,9 @@ def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     out = torch.empty_like(q)
     bounds = cu_seqlens.tolist()
     for a, b in zip(bounds, bounds[1:]):
-        out[a:b] = causal_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1),
-                                    scale).transpose(0, 1)
+        # [1, H, T, d]: PyTorch's CPU flash kernel takes 4-d inputs only (3-d ones fall back to
+        # the math path: 5.5 vs 1.5 ms at 512 tokens, 4 heads of 48)
+        out[a:b] = causal_attention(*(t[a:b].transpose(0, 1)[None] for t in (q, k, v)), scale)[0].transpose(0, 1)
     return out
 
 
