@@ -52,5 +52,13 @@ class HashRing:
         i = bisect.bisect_left(self._points, hash64(key))
         return self._owner[self._points[i % len(self._points)]]
 
+    def share(self, server: str) -> float:
+        """Fraction of the ring (so, of uniformly hashed keys) that `server` owns."""
+        owned = 0
+        for i, p in enumerate(self._points):
+            if self._owner[p] == server:
+                owned += (p - self._points[i - 1]) % (1 << 64)  # the arc ending at p; i=0 wraps
+        return owned / (1 << 64) if len(self.servers) > 1 else float(server in self.servers)
+
     def __len__(self) -> int:
         return len(self.servers)

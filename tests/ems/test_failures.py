@@ -95,7 +95,11 @@ def test_adding_a_server_moves_about_a_third_of_the_keys(fresh_pool, client_fact
     c.refresh_view(force=True)
     new = fresh_pool.servers[2].id
     moved = {k for k in keys if c.view.owner("grow", k) == new}
-    assert abs(len(moved) / len(keys) - 1 / 3) < 0.08
+    # Two noises, each bounded at about 5 sigma (server ids are random per pool): the new
+    # server's arc share with 160 vnodes (sd 0.021 around 1/3) and 600 keys sampling it (sd 0.019).
+    share = c.view.ring.share(new)
+    assert abs(share - 1 / 3) < 0.11
+    assert abs(len(moved) / len(keys) - share) < 0.10
     got = dict(zip(keys, c.get_many(keys)))
     assert all(got[k] is None for k in moved)
     assert all(got[k] == value_for(k, 500) for k in keys if k not in moved)

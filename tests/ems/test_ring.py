@@ -45,3 +45,15 @@ def test_virtual_nodes_balance_the_load():
 def test_empty_ring_has_no_owner():
     """With no servers a lookup is None (the client turns it into a miss)."""
     assert HashRing().lookup("k") is None
+
+
+def test_share_is_the_fraction_of_keys_a_server_owns():
+    """Arc shares sum to 1 and match the fraction of 20,000 hashed keys each server gets."""
+    ring = HashRing([f"s{i}" for i in range(3)])
+    counts = {}
+    for k in KEYS:
+        counts[ring.lookup(k)] = counts.get(ring.lookup(k), 0) + 1
+    assert abs(sum(ring.share(s) for s in ring.servers) - 1) < 1e-12
+    for s in ring.servers:
+        assert abs(counts[s] / len(KEYS) - ring.share(s)) < 0.02  # binomial sd ~0.0033
+    assert HashRing(["only"]).share("only") == 1.0 and HashRing().share("x") == 0.0
