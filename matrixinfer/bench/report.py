@@ -43,7 +43,7 @@ def save_json(name: str, data: dict) -> Path:
 def markdown_table(headers: list[str], rows: list[list]) -> str:
     def fmt(v):
         if isinstance(v, float):
-            return f"{v:.4g}" if abs(v) < 1e5 else f"{v:,.0f}"
+            return f"{v:.4g}" if abs(v) < 1e4 else f"{v:,.0f}"
         return str(v)
 
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
