@@ -32,14 +32,16 @@ def _reference(q, cache, tables, lens, scale, rank):
     return torch.bmm(scores.softmax(-1), latents[..., :rank])
 
 
+@pytest.mark.parametrize("block_size, heads", [(4, 4), (16, 4), (32, 3)])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_kernel_equals_gathered_attention(dtype, tol):
+def test_kernel_equals_gathered_attention(dtype, tol, block_size, heads):
     """Every sequence attends exactly its first context_lens latents, wherever the table puts
     them: float32 to 1e-5; bfloat16 inputs within bf16 rounding of the output (the kernel
-    accumulates in float32)."""
-    q, cache, tables, lens = _case(dtype)
+    accumulates in float32). Blocks of 16 and 32 rows take the 16-row score tiles (AVX-512),
+    their partial last blocks the row-at-a-time path."""
+    q, cache, tables, lens = _case(dtype, heads=heads, block_size=block_size)
     out = paged_mla_decode(q, cache, tables, lens, 0.17, 64)
-    assert out.shape == (5, 4, 64) and out.dtype == dtype
+    assert out.shape == (5, heads, 64) and out.dtype == dtype
     ref = _reference(q, cache, tables, lens, 0.17, 64)
     assert torch.allclose(out.float(), ref, rtol=tol, atol=tol), (out.float() - ref).abs().max()
     # a column slice of the table (the mixed-step path passes one) reads the same blocks
