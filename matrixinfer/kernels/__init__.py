@@ -26,6 +26,7 @@ paths and says so once.
 
 from __future__ import annotations
 
+import copyreg
 import ctypes
 import functools
 import logging
@@ -205,11 +206,27 @@ _C_SHIMS = {
 }
 
 
+def _operator(qualified_name: str, overload: str) -> torch._ops.OpOverload:
+    namespace, name = qualified_name.split("::")
+    return getattr(getattr(getattr(torch.ops, namespace), name), overload)
+
+
+def _pickle_operator(op: torch._ops.OpOverload):
+    return _operator, (op._schema.name, op._overloadname)
+
+
 def c_shims() -> dict:
     """inductor's aot_inductor.custom_ops_to_c_shims for the loaded operators (empty where
-    they are not: the graph then has none of them to call)."""
+    they are not: the graph then has none of them to call).
+
+    The option is part of inductor's FX-graph and AOTAutograd cache keys, and an OpOverload
+    does not pickle (a pybind11 record inside): every compile bypassed both caches, so each
+    engine start compiled from scratch (the test model: 80 s with a warm cache dir, as cold).
+    Operators pickle by name (copyreg, Python's own hook), so the key is their names and the
+    shims' declarations, and a restart loads the compiled graphs from disk."""
     if not _loaded:
         return {}
+    copyreg.pickle(torch._ops.OpOverload, _pickle_operator)
     return {getattr(torch.ops.matrixinfer, name).default: [decl] for name, decl in _C_SHIMS.items()}
 
 

@@ -170,3 +170,29 @@ def test_absorbed_copies_give_the_same_attention_in_bfloat16():
         copies = attn._attend_absorbed(q_nope, q_pe, latents, lens), attn._attend_absorbed(*folded)
     for a, b in zip(views, copies):
         assert a.shape == b.shape and ((a.float() - b.float()).abs().max() / a.float().abs().max()) < 2e-2
+
+
+def test_compiled_steps_with_the_c_shims_are_served_from_inductors_cache(tmp_path, monkeypatch):
+    """A graph compiled with the engine's options (the operators' C shims among them) is saved
+    to inductor's FX-graph cache and, compiled again after Dynamo forgets it (an engine
+    restart), loaded from there instead of generated: the shims option keys the cache by the
+    operators' names. Before, an OpOverload in the option made every compile bypass the cache
+    (each engine start paid full code generation)."""
+    from torch._dynamo.utils import counters
+
+    from matrixinfer.worker.compiled_decode import compile_options
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    g = torch.Generator().manual_seed(0)
+    a, b, offs = torch.randn(6, 16, generator=g), torch.randn(2, 16, 8, generator=g), torch.tensor([2, 6], dtype=torch.int32)
+
+    def step(a, b, offs):
+        return kernels.grouped_mm(a.relu(), b, offs) * 2
+
+    want = step(a, b, offs)
+    for attempt in ("miss", "hit"):
+        torch._dynamo.reset()
+        counters.clear()
+        got = torch.compile(step, dynamic=False, options=compile_options())(a, b, offs)
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+        assert counters["inductor"][f"fxgraph_cache_{attempt}"] == 1, dict(counters["inductor"])
