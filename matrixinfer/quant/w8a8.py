@@ -128,6 +128,21 @@ class W8A8ExpertsMethod(ExpertsMethodBase):
         acc = int_mm(hq, layer.w2_weight[e].t())
         return (acc.float() * sh * layer.w2_weight_scale[e].t()).to(dtype)
 
+    def apply_pairs(self, layer, x, local):
+        """Each (token, expert) pair times its expert's int8 weights gathered per pair: the
+        small-batch path with no host sync (what the compiled decode step needs; the grouped
+        path reads the counts on the host). The int8 products are summed in float32, exactly
+        the int32 sums of int_mm while they stay below 2**24 (inner sizes under 1,040 at full
+        scale |q| = 127), and within float32 rounding of them past that."""
+        k, rows = local.shape[1], local.flatten()
+        xq, sx = quantize_activation(x, self.act_strategy)
+        xq, sx = xq.repeat_interleave(k, dim=0), sx.repeat_interleave(k, dim=0)  # [N*k, H], [N*k, 1]
+        acc = torch.bmm(layer.w13_weight[rows].float(), xq.float()[:, :, None]).squeeze(-1)  # [N*k, 2I]
+        gate, up = (acc * sx * layer.w13_weight_scale[rows].squeeze(-1)).chunk(2, dim=-1)
+        hq, sh = quantize_activation(F.silu(gate) * up, self.act_strategy)
+        acc = torch.bmm(layer.w2_weight[rows].float(), hq.float()[:, :, None]).squeeze(-1)  # [N*k, H]
+        return (acc * sh * layer.w2_weight_scale[rows].squeeze(-1)).view(x.shape[0], k, -1).to(x.dtype)
+
     def apply(self, layer, xs, local, counts):
         dtype = xs.dtype
         xq, sx = quantize_activation(xs, self.act_strategy)

@@ -79,8 +79,8 @@ def test_ignored_and_absorbed_layers_stay_float():
     assert kv_b.weight.dtype == torch.float32 and rel(kv_b.weight, w) < 0.01
 
 
-def test_w8a8_experts_match_a_per_expert_float_reference():
-    e, h, i = 4, 32, 16
+def _w8a8_experts(e, h, i):
+    """RoutedExperts under W8A8 loaded with random weights; returns (layer, float w13, float w2)."""
     layer = RoutedExperts(e, h, i, quant_config=W8A8Config(), prefix="model.layers.1.mlp.experts",
                           tp_rank=0, tp_size=1)
     w13, w2 = torch.randn(e, 2 * i, h, generator=G) / 4, torch.randn(e, h, i, generator=G) / 4
@@ -90,6 +90,28 @@ def test_w8a8_experts_match_a_per_expert_float_reference():
             name = "w2" if piece == "down_proj" else "w13"
             layer.weight_loader(getattr(layer, f"{name}_weight"), q, (k, piece))
             layer.weight_loader(getattr(layer, f"{name}_weight_scale"), s, (k, piece))
+    return layer, w13, w2
+
+
+def test_w8a8_pairs_path_equals_the_int8_gemm_path_and_needs_no_host_sync():
+    """A small batch (2 * tokens * top_k <= experts) takes the pairs path, as the compiled decode
+    step must (the grouped path reads expert counts on the host: a graph break, which had
+    failed the compiled warm-up of every W8A8 checkpoint). Its outputs equal the per-expert
+    int8 GEMM path exactly (inner sizes far below 2**24 / 127**2), and it traces whole."""
+    layer, _, _ = _w8a8_experts(16, 32, 16)
+    x = torch.randn(3, 32, generator=G)
+    ids = torch.stack([torch.randperm(16, generator=G)[:2] for _ in range(3)])
+    weights = torch.rand(3, 2, generator=G)
+    assert layer.path(3, 2, x.device, x.dtype) == "pairs"
+    want = layer(x, weights, ids, path="grouped")
+    assert torch.equal(layer(x, weights, ids), want)
+    compiled = torch.compile(layer, fullgraph=True, dynamic=False)
+    assert torch.allclose(compiled(x, weights, ids), want, rtol=1e-5, atol=1e-6)
+
+
+def test_w8a8_experts_match_a_per_expert_float_reference():
+    e, h, i = 4, 32, 16
+    layer, w13, w2 = _w8a8_experts(e, h, i)
     x = torch.randn(10, h, generator=G)
     ids = torch.stack([torch.randperm(e, generator=G)[:2] for _ in range(10)])
     weights = torch.rand(10, 2, generator=G)
