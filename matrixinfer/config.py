@@ -506,33 +506,71 @@ class EngineConfig:
                             "from the file that `matrixinfer simulate deployment` reads")
 
     @classmethod
-    def from_deployment(cls, dep, **overrides) -> "EngineConfig":
-        """The engine config of every instance of a deployment file (matrixinfer/deployment.py),
-        the same file `matrixinfer simulate deployment` predicts. Instance counts are the
-        launcher's business (`serve` reads them from the file too)."""
-        if dep.dtype == "int8":
-            raise ValueError("deployment dtype int8: INT8 serving is not built yet")
-        d = dep.decode
-        if dep.colocated and d.instances != 1:
-            raise ValueError(f"decode.instances: {d.instances}: one colocated instance per `serve` process")
-        p = dep.prefill
-        if p is not None and (p.tensor_parallel_size, p.expert_parallel_size) != (d.tensor_parallel_size,
-                                                                              d.expert_parallel_size):
-            raise ValueError("prefill and decode roles with different parallel sizes are not served yet")
-        if p is not None and p.prefill_parallel != "dp":
-            raise ValueError(f"prefill.prefill_parallel: {p.prefill_parallel}: only dp is served yet")
-        kw = dict(dtype=dep.dtype, tensor_parallel_size=d.tensor_parallel_size,
-                  expert_parallel_size=d.expert_parallel_size)
-        if d.expert_parallel_size > 1:
-            if d.dispatch_dtype not in ("int8", "bf16"):
-                raise ValueError(f"decode.dispatch_dtype: {d.dispatch_dtype}: int8 or bf16 is served")
-            kw["dispatch_dtype"] = {"bf16": "bfloat16"}.get(d.dispatch_dtype, d.dispatch_dtype)
-        if d.speculative_num_tokens:
-            kw["speculative_config"] = {"method": "mtp", "num_speculative_tokens": d.speculative_num_tokens}
-        return cls.from_kwargs(dep.model, **{**kw, **overrides})
+    def for_roles(cls, dep, **flags) -> dict[str, "EngineConfig"]:
+        """The engine configuration each role of a deployment file (matrixinfer/deployment.py)
+        runs: {"decode": ...} for a colocated deployment (its one kind of instance), {"prefill":
+        ..., "decode": ...} for PDC, each from its own section (the paper's prefill is SP-TP-SP
+        with EP32, its decode EP320). `flags`, the command line's engine flags, fill in what the
+        file does not say; the file wins where both do. Instance counts are the launcher's.
+        A role the engine refuses is a ValueError naming the role."""
+        if dep.colocated and dep.decode.instances != 1:
+            raise ValueError(f"decode.instances: {dep.decode.instances}: one colocated instance per `serve` process")
+        roles = {"decode": dep.decode} if dep.colocated else {"prefill": dep.prefill, "decode": dep.decode}
+        configs = {}
+        for name, role in roles.items():
+            try:
+                configs[name] = cls.from_kwargs(dep.model, **{**flags, **_role_engine_args(dep, name, role)})
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"deployment role {name}: {e}") from None
+        return configs
+
+    def layout(self) -> str:
+        """What an instance of this configuration runs, in one line (`serve` prints it per role)."""
+        par, parts = self.parallel, []
+        if par.sequence_parallel:
+            parts.append(f"SP-TP-SP prefill over {par.prefill_parallel_size} ranks (MoE EP{par.prefill_parallel_size})")
+        elif par.world_size == 1:
+            parts.append("one process")
+        else:
+            parts.append(" x ".join(f"{k}{n}" for k, n in (("TP", par.tensor_parallel_size),
+                                                             ("EP", par.expert_parallel_size)) if n > 1))
+        if par.expert_parallel_size > 1 or par.sequence_parallel:
+            ep = [f"dispatch {par.dispatch_dtype}"]
+            if par.num_redundant_experts:
+                ep.append(f"{par.num_redundant_experts} redundant expert(s)")
+            if par.eplb_interval:
+                ep.append(f"EPLB every {par.eplb_interval} steps")
+            if par.microbatches > 1:
+                ep.append(f"{par.microbatches} microbatches")
+            if par.shared_expert_placement == "dedicated":
+                ep.append(f"shared experts on {par.shared_expert_ranks} dedicated rank(s)")
+            parts.append(", ".join(ep))
+        if self.speculative.num_draft_tokens:
+            parts.append(f"MTP {self.speculative.num_draft_tokens} draft token(s)")
+        parts.append({None: f"dtype {self.dtype}"}.get(self.quantization.method, f"{self.quantization.method} weights"))
+        decode = f"compiled, {self.decode_steps} steps a schedule" if self.compiles_decode else "eager"
+        parts.append(f"decode step {decode}, prefill step {'compiled' if self.compiles_prefill else 'eager'}")
+        parts.append(f"prefix cache {'on' if self.cache.enable_prefix_caching else 'off'}")
+        if self.kv_transfer.connector:
+            parts.append(f"KV connector {self.kv_transfer.connector}")
+        return "; ".join(parts)
 
     @classmethod
     def from_cli(cls, args) -> "EngineConfig":
+        """The engine the flags describe; with --deployment, its decode role (what a colocated
+        instance runs: `serve` takes every role through for_roles)."""
+        kw = cls.cli_kwargs(args)
+        if args.deployment:
+            from matrixinfer.deployment import load_deployment
+
+            return cls.for_roles(load_deployment(args.deployment), **kw)["decode"]
+        return cls.from_kwargs(args.model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
+                               expert_parallel_size=args.expert_parallel_size, **kw)
+
+    @staticmethod
+    def cli_kwargs(args) -> dict:
+        """The engine flags as from_kwargs arguments (all but the model, dtype and layout sizes,
+        which a deployment file may give instead)."""
         kv = {"connector": args.kv_connector, "ems_controller": args.ems_controller}
         kw = dict(device=args.device, seed=args.seed or 0,
                   block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
@@ -559,9 +597,27 @@ class EngineConfig:
         if getattr(args, "speculative_method", None):
             kw["speculative_config"] = {"method": args.speculative_method,
                                         "num_speculative_tokens": args.num_speculative_tokens}
-        if args.deployment:
-            from matrixinfer.deployment import load_deployment
+        return kw
 
-            return cls.from_deployment(load_deployment(args.deployment), **kw)
-        return cls.from_kwargs(args.model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
-                               expert_parallel_size=args.expert_parallel_size, **kw)
+
+def _role_engine_args(dep, name: str, role) -> dict:
+    """A deployment role's section as engine arguments (EngineConfig.from_kwargs names)."""
+    kw = {"quantization": "w8a8"} if dep.dtype == "int8" else {"dtype": dep.dtype}
+    tp, ep = role.tensor_parallel_size, role.expert_parallel_size
+    if name == "prefill" and role.prefill_parallel == "sp-tp-sp":
+        if min(tp, ep) > 1 and tp != ep:
+            raise ValueError(f"prefill: sp-tp-sp splits the heads and the experts over the same ranks: "
+                             f"tensor_parallel_size {tp} and expert_parallel_size {ep} must be one size")
+        return {**kw, "prefill_parallel": "sp-tp-sp", "prefill_parallel_size": max(tp, ep)}
+    kw.update(tensor_parallel_size=tp, expert_parallel_size=ep)
+    if name == "decode":
+        if role.dispatch_dtype == "fp8":
+            raise ValueError("decode.dispatch_dtype fp8: the engine dispatches int8 or bf16 (the CPU path has no "
+                             "FP8 arithmetic, and neither has the 910C the paper serves on)")
+        if ep > 1:
+            kw["dispatch_dtype"] = {"bf16": "bfloat16"}.get(role.dispatch_dtype, role.dispatch_dtype)
+        kw.update(num_redundant_experts=role.num_redundant_experts, eplb_interval=role.eplb_interval,
+                  microbatches=role.microbatches, shared_expert_placement=role.shared_expert_placement)
+        if role.speculative_num_tokens:
+            kw["speculative_config"] = {"method": "mtp", "num_speculative_tokens": role.speculative_num_tokens}
+    return kw

@@ -17,11 +17,17 @@ A YAML file (every key optional unless marked required):
       expert_parallel_size: 320
       dispatch_dtype: int8               # int8 | fp8 | bf16 (tokens on the wire)
       speculative_num_tokens: 1          # MTP draft tokens per step (0 = off)
+      num_redundant_experts: 32          # extra copies of hot experts (EPLB)
+      eplb_interval: 0                   # decode steps between EPLB rebalances (0 = placed once)
+      microbatches: 2                    # 1 | 2: attention of one overlaps the MoE of the other
+      shared_expert_placement: replicated  # replicated | dedicated (shared experts on ranks of their own)
     ems:
       servers: 0                         # EMS (context + model cache) servers, 0 = none
 
 An instance occupies max(tensor_parallel_size, expert_parallel_size) devices. Errors are
-ValueError naming the file and the field. Nothing here imports the simulator or the engine.
+ValueError naming the file and the field. Nothing here imports the simulator or the engine:
+`EngineConfig.for_roles` (config.py) turns each role's section into the engine configuration
+its instances run, `matrixinfer simulate deployment` predicts the same file.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ import yaml
 DTYPES = ("float32", "bfloat16", "int8")
 PREFILL_PARALLEL = ("dp", "tp", "sp-tp-sp")
 DISPATCH_DTYPES = ("int8", "fp8", "bf16")
+SHARED_EXPERT_PLACEMENTS = ("replicated", "dedicated")
+ZERO_OK = ("speculative_num_tokens", "num_redundant_experts", "eplb_interval")  # integer fields that may be 0
 
 
 @dataclass(frozen=True)
@@ -55,6 +63,10 @@ class DecodeRole:
     expert_parallel_size: int = 1
     dispatch_dtype: str = "bf16"
     speculative_num_tokens: int = 0
+    num_redundant_experts: int = 0
+    eplb_interval: int = 0
+    microbatches: int = 1
+    shared_expert_placement: str = "replicated"
 
     @property
     def devices(self) -> int:
@@ -94,7 +106,7 @@ def _section(raw: dict, cls, where: str, prefix: str):
         v = raw.get(k, f.default)
         key = f"{prefix}.{k}"
         if f.type == "int":
-            ok_min = 0 if k == "speculative_num_tokens" else 1
+            ok_min = 0 if k in ZERO_OK else 1
             if isinstance(v, bool) or not isinstance(v, int) or v < ok_min:
                 raise _err(where, key, f"must be an integer >= {ok_min}, got {v!r}")
         vals[k] = v
@@ -102,6 +114,11 @@ def _section(raw: dict, cls, where: str, prefix: str):
         raise _err(where, f"{prefix}.prefill_parallel", f"must be one of {PREFILL_PARALLEL}, got {vals['prefill_parallel']!r}")
     if "dispatch_dtype" in vals and vals["dispatch_dtype"] not in DISPATCH_DTYPES:
         raise _err(where, f"{prefix}.dispatch_dtype", f"must be one of {DISPATCH_DTYPES}, got {vals['dispatch_dtype']!r}")
+    if vals.get("microbatches", 1) > 2:
+        raise _err(where, f"{prefix}.microbatches", f"must be 1 or 2, got {vals['microbatches']!r}")
+    if "shared_expert_placement" in vals and vals["shared_expert_placement"] not in SHARED_EXPERT_PLACEMENTS:
+        raise _err(where, f"{prefix}.shared_expert_placement",
+                   f"must be one of {SHARED_EXPERT_PLACEMENTS}, got {vals['shared_expert_placement']!r}")
     return cls(**vals)
 
 

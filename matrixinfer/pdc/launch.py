@@ -15,8 +15,10 @@ from matrixinfer.pdc.client import PDCClient
 
 def start_pdc(base: EngineConfig, prefill_instances: int = 1, decode_instances: int = 1, ems_servers: int = 1,
               ems_controller: str | None = None, router: str = "least-loaded", model_name: str | None = None,
-              ems_dram_mb: int = 256, restart_instances: bool = True, ray_address: str | None = None) -> PDCClient:
-    """`ems_controller`: join an existing EMS pool; otherwise start one with `ems_servers`
+              ems_dram_mb: int = 256, restart_instances: bool = True, ray_address: str | None = None,
+              decode: EngineConfig | None = None) -> PDCClient:
+    """`base`: the prefill instances' configuration, and the decode instances' unless `decode`
+    gives theirs (a deployment file's roles differ: SP-TP-SP prefill, an EP decode). `ems_controller`: join an existing EMS pool; otherwise start one with `ems_servers`
     MP servers, owned by the returned client (its shutdown() stops it). `ray_address`: place
     the instances and the EMS processes as actors on that Ray cluster instead of here."""
     if prefill_instances < 1 or decode_instances < 1:
@@ -57,10 +59,12 @@ def start_pdc(base: EngineConfig, prefill_instances: int = 1, decode_instances: 
     # Prefill instances never run a decode step (they hand off after the first token): they
     # compile their prefill steps only. An SP-TP-SP prefill layout is the prefill role's (and
     # runs eager); decode instances keep the base layout without it (they continue from the
-    # latent KV the prefill saved to EMS).
+    # latent KV the prefill saved to EMS), or run a layout of their own.
     prefill_cfg = replace(cfg, compile_decode=False)
-    decode_cfg = replace(cfg, parallel=replace(cfg.parallel, prefill_parallel=None, prefill_parallel_size=1)) \
-        if cfg.parallel.sequence_parallel else cfg
+    decode_cfg = cfg if decode is None else replace(decode, kv_transfer=kv)
+    if decode_cfg.parallel.sequence_parallel:
+        decode_cfg = replace(decode_cfg, parallel=replace(decode_cfg.parallel, prefill_parallel=None,
+                                                          prefill_parallel_size=1))
     if ray_address is None and cfg.num_threads is None:
         # every instance on this machine: split the cores instead of each taking all of them
         ranks = prefill_instances * prefill_cfg.parallel.world_size + decode_instances * decode_cfg.parallel.world_size

@@ -19,25 +19,33 @@ def _serve(args) -> int:
     from matrixinfer.serving import AsyncLLMEngine, TenantStore, UsageLedger, build_app
     from matrixinfer.serving.drain import DrainingServer
 
-    config = EngineConfig.from_cli(args)
-    if args.deployment:  # the file's roles win over the flags
+    if args.deployment:  # each role from its section of the file; the flags fill in the rest
         from matrixinfer.deployment import load_deployment
 
         dep = load_deployment(args.deployment)
+        roles = EngineConfig.for_roles(dep, **EngineConfig.cli_kwargs(args))
         args.colocated = dep.colocated
         if not dep.colocated:
             args.prefill_instances, args.decode_instances = dep.prefill.instances, dep.decode.instances
             args.ems_servers = max(1, dep.ems_servers)
+    else:
+        config = EngineConfig.from_cli(args)
+        roles = {"prefill": config, "decode": config}
     if args.colocated:
-        engine = AsyncLLMEngine(config, model_name=args.served_model_name)
+        engine = AsyncLLMEngine(roles["decode"], model_name=args.served_model_name)
+        layouts = {"instance": roles["decode"]}
     else:
         from matrixinfer.pdc import start_pdc
 
-        engine = start_pdc(config, args.prefill_instances, args.decode_instances, args.ems_servers,
-                           args.ems_controller, args.router, args.served_model_name, ray_address=args.ray_address)
+        engine = start_pdc(roles["prefill"], args.prefill_instances, args.decode_instances, args.ems_servers,
+                           args.ems_controller, args.router, args.served_model_name, ray_address=args.ray_address,
+                           decode=roles["decode"])
+        layouts = {"prefill": engine.prefill[0].config, "decode": engine.decode[0].config}
         print(f"matrixinfer: PDC stack: {args.prefill_instances} prefill + {args.decode_instances} decode instance(s), "
               f"KV hand-off through EMS ({args.ems_controller or f'{args.ems_servers} local MP server(s)'}), "
               f"router {args.router}", file=sys.stderr)
+    for role, cfg in layouts.items():  # what each role actually runs, after the launcher's adjustments
+        print(f"matrixinfer: {role}: {cfg.layout()}", file=sys.stderr)
     tenants, ledger = TenantStore(args.keys_db), UsageLedger(args.ledger_db or args.keys_db)
     app = build_app(engine, tenants, ledger, own_engine=True)
     print(f"matrixinfer: serving {engine.model_name} (context {engine.max_model_len} tokens) on "
