@@ -3,6 +3,11 @@ torch.distributed group (gloo on CPU, NCCL on CUDA). Each step the engine core s
 scheduler's output, pickled once, down a pipe to every rank; the ranks run the step together
 (their collectives meet inside the model) and rank 0 sends back the sampled tokens.
 
+Start-up has no fixed deadline: each rank reports every stage (loading, each graph its
+warm-up compiles) down its pipe, and a rank that says nothing for distributed_timeout_s
+(stalled) or exits is named in the error with its last reports. Two ranks compiling on two
+cores took longer than any fixed bound that would still catch a hung rank.
+
 Processes never outlive the executor: shutdown() (also run by a finalizer and at interpreter
 exit) asks them to stop, then kills what is left; a rank whose parent dies sees its pipe
 close and exits.
@@ -10,15 +15,21 @@ close and exits.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import pickle
 import socket
+import time
 import traceback
 import weakref
+from collections import deque
 from multiprocessing.connection import wait
 
 from matrixinfer.config import EngineConfig
 from matrixinfer.engine.scheduler import ModelRunnerOutput, SchedulerOutput
+
+log = logging.getLogger(__name__)
+LAST_REPORTS = 5  # a failed start names each rank's last few stages
 
 
 def _free_port() -> int:
@@ -35,7 +46,7 @@ def _worker_main(config: EngineConfig, rank: int, world_size: int, init_method: 
     worker = None
     try:
         worker_env_threads(world_size)
-        worker = Worker(config, rank, world_size, init_method)
+        worker = Worker(config, rank, world_size, init_method, report=lambda text: conn.send(("progress", text)))
         conn.send(("ready", worker.info()))
         while True:
             data = conn.recv_bytes()
@@ -76,6 +87,45 @@ def _stop(procs, conns, timeout: float = 10.0) -> None:
         c.close()
 
 
+def wait_until_ready(conns, procs, timeout: float) -> list:
+    """Every rank's info (its "ready" message) once all are ready. A rank is waited for as
+    long as it reports progress; silent for `timeout` seconds, or dead, it fails the start,
+    named with its last reports."""
+    world = len(procs)
+    infos: list = [None] * world
+    heard = [time.monotonic()] * world
+    reports = [deque(maxlen=LAST_REPORTS) for _ in range(world)]
+
+    def last_words(rank: int) -> str:
+        return "; its last reports: " + (" | ".join(reports[rank]) or "none (it never got going)")
+
+    pending = set(range(world))
+    while pending:
+        now = time.monotonic()
+        stalled = [r for r in pending if now - heard[r] > timeout]
+        if stalled:
+            r = stalled[0]
+            raise TimeoutError(f"rank {r} stalled: no progress for {timeout:g} s" + last_words(r))
+        waiting = [conns[r] for r in pending] + [procs[r].sentinel for r in pending]
+        ready = wait(waiting, max(0.0, min(heard[r] + timeout for r in pending) - now))
+        for r in sorted(pending):
+            if conns[r] in ready:
+                kind, payload = conns[r].recv()
+                heard[r] = time.monotonic()
+                if kind == "error":
+                    raise RuntimeError(f"worker failed:\n{payload}")
+                if kind == "progress":
+                    reports[r].append(payload)
+                    log.info("rank %d: %s", r, payload)
+                else:
+                    infos[r] = payload
+                    pending.discard(r)
+            elif procs[r].sentinel in ready:
+                raise RuntimeError(f"rank {r} exited with code {procs[r].exitcode} during start-up"
+                                   + last_words(r))
+    return infos
+
+
 class MultiprocExecutor:
     def __init__(self, config: EngineConfig):
         ctx = mp.get_context("spawn")
@@ -93,23 +143,10 @@ class MultiprocExecutor:
         self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns)
         self.timeout = config.parallel.distributed_timeout_s
         try:
-            infos = [self._recv(rank, self.timeout) for rank in range(world)]
+            self.info = wait_until_ready(self.conns, self.procs, self.timeout)[0]
         except BaseException:
             self.shutdown()
             raise
-        self.info = infos[0]
-
-    def _recv(self, rank: int, timeout: float | None):
-        conn, proc = self.conns[rank], self.procs[rank]
-        ready = wait([conn, proc.sentinel], timeout)
-        if conn in ready:
-            kind, payload = conn.recv()
-            if kind == "error":
-                raise RuntimeError(f"worker failed:\n{payload}")
-            return payload
-        if not ready:
-            raise TimeoutError(f"rank {rank} did not answer within {timeout} s")
-        raise RuntimeError(f"rank {rank} exited with code {proc.exitcode}")
 
     def set_interrupt(self, interrupt) -> None:
         """Multi-step decode runs its k steps here: the ranks, in processes of their own, must

@@ -265,7 +265,7 @@ class CompiledDecode:
         return ids, torch.zeros_like(ids), slots, tables, lens
 
     @torch.inference_mode()
-    def warm_up(self, max_batch: int, device: torch.device) -> float:
+    def warm_up(self, max_batch: int, device: torch.device, report=None) -> float:
         """Compile every static bucket up to max_batch, then run every larger size: the
         dynamic graph's guards split the sizes where the model's shape-chosen paths change (the
         MoE's, layers/experts.py), and a size whose guards already hold costs a forward, not a
@@ -276,6 +276,8 @@ class CompiledDecode:
         mark_packed_weights_static(self.model)
         sizes = [b for b in STATIC_BATCHES if b <= padded_batch(max_batch)]
         for b in sizes + list(range(STATIC_BATCHES[-1] + 1, max_batch + 1)):
+            if report is not None:
+                report(f"decode step, batch {b} of {max_batch}: compiling (or loading from inductor's cache)")
             inputs = self._dummy_step(b, MIN_TABLE_WIDTH, device)
             self(*inputs[:2], decode_context(inputs))
             steps = [self._dummy_step(b, width, device) for width in (MIN_TABLE_WIDTH + 1, MIN_TABLE_WIDTH + 2)]

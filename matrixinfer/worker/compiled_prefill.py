@@ -84,7 +84,7 @@ class CompiledPrefill:
         return torch.zeros(n, dtype=torch.long, device=device), positions, ctx
 
     @torch.inference_mode()
-    def warm_up(self, max_tokens: int, device: torch.device) -> float:
+    def warm_up(self, max_tokens: int, device: torch.device, report=None) -> float:
         """Compile the graphs for every token count up to max_tokens (the step's budget): run
         warm_sizes, where a size whose guards already hold costs a forward, not a compile.
         Returns the seconds spent."""
@@ -93,6 +93,8 @@ class CompiledPrefill:
         t, before = time.perf_counter(), counters["stats"]["unique_graphs"]
         mark_packed_weights_static(self.model)  # before compiling (a no-op where the decode warm-up did it)
         for n in warm_sizes(max_tokens):
+            if report is not None:
+                report(f"prefill step, {n} of {max_tokens} tokens: compiling (or loading from inductor's cache)")
             ids, pos, ctx = self._dummy_step(n, device)
             with forward_context(ctx):
                 self.forward(ids, pos)

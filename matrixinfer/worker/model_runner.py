@@ -66,14 +66,14 @@ class ModelRunner:
         # message arrived, a request to join the batch, say); set only where one rank runs
         self.interrupt: Callable[[], bool] | None = None
 
-    def warm_up(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def warm_up(self, max_num_seqs: int, max_num_batched_tokens: int, report: Callable[[str], None] | None = None) -> None:
         """Compile the decode and prefill graphs now (the cache exists), not on the first
         request: every decode batch size up to max_num_seqs, every prefill token count up to
-        the step's budget."""
+        the step's budget. report: told each size as its warm-up starts."""
         if self.compiled_decode is not None:
-            self.compiled_decode.warm_up(max_num_seqs, self.device)
+            self.compiled_decode.warm_up(max_num_seqs, self.device, report)
         if self.compiled_prefill is not None:
-            self.compiled_prefill.warm_up(max_num_batched_tokens, self.device)
+            self.compiled_prefill.warm_up(max_num_batched_tokens, self.device, report)
 
     @staticmethod
     def cache_bytes_per_block(model: DeepseekForCausalLM, block_size: int) -> int:

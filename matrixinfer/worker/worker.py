@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 from datetime import timedelta
+from typing import Callable
 
 import torch
 
@@ -42,8 +43,12 @@ def max_model_len_of(config: EngineConfig, model_max: int) -> int:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, rank: int = 0, world_size: int = 1, init_method: str | None = None):
+    def __init__(self, config: EngineConfig, rank: int = 0, world_size: int = 1, init_method: str | None = None,
+                 report: Callable[[str], None] | None = None):
+        """report: told each start-up stage in words (loading, each graph the warm-up compiles),
+        so a rank process can show it is alive and what it does (executor/multiproc.py)."""
         self.config, self.rank, self.world_size = config, rank, world_size
+        self.report = report or (lambda text: log.debug("rank %d: %s", rank, text))
         torch.manual_seed(config.seed)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -54,6 +59,7 @@ class Worker:
         if world_size > 1:
             self._init_distributed(init_method)
         self.load_report = None  # how the weights came in, with load_format "ems"
+        self.report(f"loading {config.model}")
         self.model = self._load()
         if config.quantization.method and not self.model.quantized:
             raise ValueError(f"quantization={config.quantization.method!r} needs a W8A8 checkpoint; {config.model} "
@@ -109,7 +115,8 @@ class Worker:
             compile_decode = self.config.compiles_decode
             runner = ModelRunner(self.model, self.num_blocks, block_size, self.device, compile_decode,
                                  self.config.speculative.num_draft_tokens, self.config.compiles_prefill)
-            runner.warm_up(self.config.scheduler.max_num_seqs, self.config.scheduler.max_num_batched_tokens)
+            runner.warm_up(self.config.scheduler.max_num_seqs, self.config.scheduler.max_num_batched_tokens,
+                           self.report)
             return runner
         # expert parallelism runs eagerly: the exchanges' collectives and row counts are not compiled
         from matrixinfer.parallel import get_ep_group

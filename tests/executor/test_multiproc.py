@@ -62,3 +62,59 @@ def test_tensor_parallel_2_with_mtp_speculation_is_token_identical():
         assert ranks.tokens(tp, prompts) == expected
         assert ranks.tokens(tp, prompts, seeded) == spec_seeded
         assert tp.engine.stats.spec_num_accepted_tokens > 0
+
+
+def _rank_reporting(conn, reports: int, every_s: float) -> None:
+    """A stand-in rank start-up: `reports` progress reports `every_s` apart, then ready."""
+    import time
+
+    for i in range(reports):
+        conn.send(("progress", f"stage {i}"))
+        time.sleep(every_s)
+    conn.send(("ready", "info"))
+    conn.recv()  # until the test closes the pipe
+
+
+def _rank_stalling(conn) -> None:
+    import time
+
+    conn.send(("progress", "decode step, batch 4 of 8: compiling"))
+    time.sleep(60)
+
+
+def _start(targets):
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    conns, procs = [], []
+    for target, args in targets:
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=target, args=(child, *args), daemon=True)
+        p.start()
+        child.close()
+        conns.append(parent)
+        procs.append(p)
+    return conns, procs
+
+
+@pytest.mark.slow
+def test_start_up_waits_while_ranks_report_and_names_a_stalled_rank_with_its_last_report():
+    """No fixed start-up deadline: a rank reporting a stage every 1.5 s for 15 s is waited for
+    under a 10 s stall bound (two ranks compiling on two cores had outlived the fixed 120 s),
+    while a rank silent past the bound fails the start, named with what it last said. (The
+    bound leaves a spawned process its few seconds of imports before its first report.)"""
+    from matrixinfer.executor.multiproc import _stop, wait_until_ready
+
+    conns, procs = _start([(_rank_reporting, (10, 1.5)), (_rank_reporting, (1, 0.0))])
+    try:
+        assert wait_until_ready(conns, procs, timeout=10.0) == ["info", "info"]
+    finally:
+        _stop(procs, conns, timeout=5)
+    conns, procs = _start([(_rank_reporting, (1, 0.0)), (_rank_stalling, ())])
+    try:
+        with pytest.raises(TimeoutError, match=r"rank 1 stalled: no progress for 10 s; its last reports: "
+                                               r"decode step, batch 4 of 8: compiling"):
+            wait_until_ready(conns, procs, timeout=10.0)
+    finally:
+        _stop(procs, conns, timeout=1)
+    assert not any(p.is_alive() for p in procs)
