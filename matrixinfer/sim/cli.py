@@ -1,6 +1,6 @@
 """CLI subcommands of this subsystem (registered by matrixinfer.cli).
 
-matrixinfer simulate decode|prefill|serve|dispatch|allocation|calibrate|paper-tables
+matrixinfer simulate decode|prefill|serve|faults|dispatch|allocation|calibrate|paper-tables
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from matrixinfer.bench.report import markdown_table
 
 DECODE_PLOT = "docs/img/sim_decode_tpot.png"
 ALLOC_PLOT = "docs/img/sim_allocation.png"
+FAULTS_PLOT = "docs/img/sim_faults.png"
 ALLOC_SIZES = [192, 224, 384, 768, 2048, 8192]
 ALLOC_MEANS = [2, 4, 6, 8, 10.08, 11.28, 14, 18, 24]
 
@@ -180,6 +181,82 @@ def cmd_serve(args) -> int:
     print(markdown_table(list(s), [list(s.values())]))
     if args.plot:
         print(f"\nutilisation plot: {args.plot}")
+    return 0
+
+
+# ---------------------------------------------------------------- faults
+
+def _fault_schedule(args):
+    from matrixinfer.sim.faults import FaultKind, FaultSchedule, load_schedule, parse_event
+
+    inst = dict(detect_s=args.detect_s, recover_s=args.recover_s)
+    sch = FaultSchedule(npu=FaultKind(args.npu_mtbf_h, **inst), link=FaultKind(args.link_mtbf_h, **inst),
+                        node=FaultKind(args.node_mtbf_h, **inst),
+                        ems=FaultKind(args.ems_mtbf_h, args.ems_detect_s, args.ems_recover_s),
+                        events=tuple(parse_event(e) for e in args.event or ()), horizon_s=args.horizon,
+                        seed=args.seed)
+    return load_schedule(args.faults, sch) if args.faults else sch
+
+
+def cmd_faults(args) -> int:
+    from matrixinfer.sim.fault_study import Load, Study, compare, parse_layout
+    from matrixinfer.sim.hardware import load_hardware
+    from matrixinfer.sim.modelspec import load_model
+    from matrixinfer.sim.serving import ServingConfig
+
+    model = load_model(args.model)
+    sch = _fault_schedule(args)
+    layouts = [parse_layout(x) for x in args.layouts]
+    pn, pd = parse_layout(args.prefill)
+    base = ServingConfig(prefill_instances=pn, prefill_devices=pd, max_batch_per_device=args.max_batch,
+                         ems_capacity_tokens=args.ems_capacity, ems_servers=args.ems_servers, mtp_drafts=args.mtp,
+                         mtp_acceptance=args.accept, seed=args.seed, sample_dt=args.sample_dt)
+    study = Study(Load(args.rate, args.prompt, args.output, args.prefixes, args.prefix_len, args.seed),
+                  args.warmup, args.ttft_slo_s, args.tpot_slo_ms)
+    n_req = max(1, round(args.rate * sch.horizon_s))
+    rows = []
+    with tqdm(total=2 * n_req * len(layouts) * len(args.hardware), desc="requests", unit="req",
+              disable=args.json) as bar:
+        for name in args.hardware:
+            rows += compare(load_hardware(name), model, base, layouts, sch, study, args.ems_recover_s, bar.update)
+    if args.plot:
+        from matrixinfer.sim.plots import plot_faults
+
+        labels = [f"{r['hardware']}, {r['layout']}" for r in rows]
+        plot_faults({lb: r["faults"]["series"] for lb, r in zip(labels, rows)},
+                    {lb: r["faults"]["log"] for lb, r in zip(labels, rows)}, args.plot,
+                    window=(args.warmup, sch.horizon_s))
+    if args.json:
+        for r in rows:
+            for k in ("free", "faults"):
+                r[k].pop("series")
+        print(json.dumps({"schedule": asdict(sch), "rows": rows}, default=str))
+        return 0
+    f0 = rows[0]["faults"]
+    print(f"\n{model.name}, prefill {pn} x {pd} devices, {args.rate:g} req/s of {args.prompt} + {args.output} tokens "
+          f"({args.prefixes} prefixes of {args.prefix_len}, EMS {args.ems_capacity:,} tokens over {args.ems_servers} "
+          f"servers), {sch.horizon_s:g} s, window from {args.warmup:g} s")
+    print(f"faults: MTBF per component (h) npu {sch.npu.mtbf_h:g}, link {sch.link.mtbf_h:g}, node {sch.node.mtbf_h:g}, "
+          f"ems {sch.ems.mtbf_h:g}, explicit {len(sch.events)}, seed {sch.seed}; detection {sch.npu.detect_s:g} s "
+          f"(EMS {sch.ems.detect_s:g} s); SLO TTFT <= {args.ttft_slo_s:g} s and TPOT <= {args.tpot_slo_ms:g} ms\n")
+    table = []
+    for r in rows:
+        f, h = r["free"], r["faults"]
+        dec = h["instance_failures"]["decode"]
+        table.append([r["hardware"], r["layout"], f"{h['faults']} / {dec} / {h['instance_failures']['prefill']}",
+                      f"{h['recover_s']['decode']:.1f}", f"{h['instance_s_down']['decode']:.1f}",
+                      f"{h['instance_s_down']['decode'] * r['decode_devices']:.0f}",
+                      f"{h['tokens_recomputed'] / 1e6:.2f}",
+                      f"{h['recomputed']['decode'] / dec / 1e6:.2f}" if dec else "-",
+                      f"{f['goodput_tok_s']:.0f}", f"{h['goodput_tok_s']:.0f}", f"{100 * r['goodput_lost']:.2f} %",
+                      f"{100 * f['slo']['both']:.1f} %", f"{100 * h['slo']['both']:.1f} %"])
+    print(markdown_table(["hardware", "decode", "faults / decode hit / prefill hit", "rebuild s", "decode inst-s down",
+                          "decode device-s down", "tokens recomputed (M)", "M per decode failure",
+                          "goodput fault-free", "goodput", "goodput lost", "SLO fault-free", "SLO"], table))
+    print(f"\nrebuild = {f0['recover_s']['decode']:.2f} s restart + weight reload per decode instance "
+          f"(prefill {f0['recover_s']['prefill']:.2f} s, EMS server {f0['recover_s']['ems']:g} s), after detection")
+    if args.plot:
+        print(f"\nplot: {args.plot}")
     return 0
 
 
@@ -405,6 +482,9 @@ def cmd_bench_ops(args) -> int:
 
 
 def register(sub, bench_sub) -> None:
+    from matrixinfer.sim.fault_study import TPOT_SLO_MS, TTFT_SLO_S
+    from matrixinfer.sim.faults import DETECT_S, EMS_RECOVER_S, NPU_MTBF_H
+
     p = bench_sub.add_parser("ops", help="measure operator costs here; write a simulator hardware YAML")
     p.add_argument("--model", default="models/matrixinfer-tiny-moe", help="model dir whose MLA shapes are timed")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="engine dtype for host overhead")
@@ -477,6 +557,43 @@ def register(sub, bench_sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", help="write utilisation over time to this PNG")
     p.set_defaults(func=cmd_serve)
+
+    p = ssub.add_parser("faults", help="the PDC simulation under NPU / link / node / EMS-server faults; "
+                        "one big decode instance vs several smaller ones")
+    p.add_argument("--hardware", nargs="+", default=["cloudmatrix384"], help="bundled names or YAML paths")
+    p.add_argument("--model", default="deepseek-r1")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--layouts", nargs="+", default=["1x320", "5x64", "10x32"], help="decode INSTANCESxDEVICES")
+    p.add_argument("--prefill", default="6x32", help="prefill INSTANCESxDEVICES")
+    p.add_argument("--rate", type=float, default=900.0)
+    p.add_argument("--prompt", type=int, default=2048)
+    p.add_argument("--output", type=int, default=1024)
+    p.add_argument("--prefixes", type=int, default=200)
+    p.add_argument("--prefix-len", type=int, default=1024)
+    p.add_argument("--ems-capacity", type=int, default=1_000_000, help="context-cache tokens (0 = off)")
+    p.add_argument("--ems-servers", type=int, default=48, help="EMS MP servers (one per CloudMatrix node)")
+    p.add_argument("--max-batch", type=int, default=96)
+    p.add_argument("--mtp", type=int, default=1)
+    p.add_argument("--accept", type=float, default=0.7)
+    p.add_argument("--horizon", type=float, default=300.0, help="seconds of arrivals (and of faults)")
+    p.add_argument("--warmup", type=float, default=60.0, help="start of the measured window, seconds")
+    p.add_argument("--sample-dt", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--npu-mtbf-h", type=float, default=NPU_MTBF_H, help="per NPU package, hours (0 = none)")
+    p.add_argument("--link-mtbf-h", type=float, default=0.0, help="per device link, hours (0 = none)")
+    p.add_argument("--node-mtbf-h", type=float, default=0.0, help="per server node, hours (0 = none)")
+    p.add_argument("--ems-mtbf-h", type=float, default=0.0, help="per EMS MP server, hours (0 = none)")
+    p.add_argument("--detect-s", type=float, default=DETECT_S, help="fault to detection, instances")
+    p.add_argument("--recover-s", type=float, default=None,
+                   help="detection to rebuilt, instances (default: measured restart + weight reload from EMS)")
+    p.add_argument("--ems-detect-s", type=float, default=DETECT_S, help="EMS heartbeat timeout")
+    p.add_argument("--ems-recover-s", type=float, default=EMS_RECOVER_S)
+    p.add_argument("--event", action="append", help="explicit fault T:KIND:INDEX (kind npu|link|node|ems), repeatable")
+    p.add_argument("--faults", help="YAML fault schedule (overrides the flags it sets; see sim/faults.py)")
+    p.add_argument("--ttft-slo-s", type=float, default=TTFT_SLO_S)
+    p.add_argument("--tpot-slo-ms", type=float, default=TPOT_SLO_MS)
+    p.add_argument("--plot", help=f"write the goodput time series (e.g. {FAULTS_PLOT})")
+    p.set_defaults(func=cmd_faults)
 
     p = ssub.add_parser("dispatch", help="MoE dispatch/combine latency against EP size")
     _common(p)

@@ -62,3 +62,29 @@ def plot_utilisation(series: list[dict], path: str | Path) -> Path:
     ax.set_ylim(0, 1.05)
     _finish(ax, "time (s)", "fraction")
     return _save(fig, path)
+
+
+def plot_faults(runs: dict[str, list[dict]], faults: dict[str, list[tuple[float, str, list]]], path: str | Path,
+                window: tuple[float, float] | None = None) -> Path:
+    """runs: label -> the serving time series (cumulative `output_tokens`, `decode_up`);
+    faults: label -> [(t, component, instances taken down)] (marked where they took one)."""
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 5.5), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
+    for (label, series), color in zip(runs.items(), plt.rcParams["axes.prop_cycle"].by_key()["color"]):
+        t = [s["t"] for s in series]
+        rate = [(b["output_tokens"] - a["output_tokens"]) / (b["t"] - a["t"]) / 1e3 for a, b in zip(series, series[1:])]
+        ax.plot(t[1:], rate, lw=0.9, color=color, label=label)
+        ax2.plot(t, [s["decode_up"] for s in series], lw=0.9, color=color)
+        for ft, _, hit in faults.get(label, []):
+            if any(h.startswith("decode") for h in hit):
+                ax.axvline(ft, color=color, ls=":", lw=0.8)
+    if window:
+        ax.axvspan(0, window[0], color="grey", alpha=0.1)
+    ax2.set_ylim(0, 1.05)
+    ax2.set_xlabel("time (s)")
+    ax2.set_ylabel("decode up")
+    ax2.grid(alpha=0.3)
+    ax.set_ylabel("output tokens/s (thousands)")
+    ax.set_title("Goodput under faults (dotted: a fault takes a decode instance; shaded: warm-up)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)

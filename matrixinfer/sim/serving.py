@@ -13,6 +13,7 @@ instance (continuous batching, MTP) -> done.
 from __future__ import annotations
 
 import csv
+import hashlib
 import math
 import random
 from collections import OrderedDict
@@ -21,6 +22,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import simpy
 
 from matrixinfer.sim.costs import BYTES
@@ -43,6 +45,12 @@ class Request:
     first_token: float | None = None
     done: float | None = None
     generated: int = 0
+    resumed: int = 0  # tokens generated before its instance failed: re-prefilled with the prompt
+
+    @property
+    def prefill_len(self) -> int:
+        """Tokens a prefill of this request processes: the prompt, plus the output so far after a loss."""
+        return self.prompt_len + self.resumed
 
     @property
     def ttft(self) -> float:
@@ -85,33 +93,79 @@ def load_trace(path: str | Path) -> list[Request]:
 
 
 class EMSPool:
-    """Context cache: prefix id -> cached tokens, LRU over a token capacity."""
+    """Context cache: prefix id -> cached tokens, LRU over a token capacity, sharded over
+    `servers` MP servers (rendezvous hashing; each holds capacity / servers).
 
-    def __init__(self, capacity_tokens: int):
-        self.capacity = capacity_tokens
-        self.entries: OrderedDict[str, int] = OrderedDict()
-        self.used = 0
-        self.hits = self.lookups = 0
+    A failed server loses its shard. Until it is detected its keys miss and puts of them are
+    dropped (clients back off); once the view drops it, its keys map to the next server in
+    their order (empty there: misses until re-put); a restored server rejoins empty. Misses of
+    keys a failure took count as `fault_miss_tokens` (their prefix is prefilled again)."""
+
+    def __init__(self, capacity_tokens: int, servers: int = 1):
+        self.capacity, self.servers = capacity_tokens, servers
+        self.shards: list[OrderedDict[str, int]] = [OrderedDict() for _ in range(servers)]
+        self.used = [0] * servers
+        self.state = ["up"] * servers  # up | lost (failed, not yet detected) | out (dropped from the view)
+        self.lost_ids: set[str] = set()
+        self.hits = self.lookups = self.fault_miss_tokens = 0
+        self._orders: dict[str, list[int]] = {}
+
+    @property
+    def entries(self) -> OrderedDict[str, int]:
+        return self.shards[0]
+
+    def home(self, prefix_id: str) -> int:
+        """The first server of the key's rendezvous order still in the view."""
+        if self.servers == 1:
+            return 0
+        order = self._orders.get(prefix_id)
+        if order is None:
+            w = [hashlib.blake2b(f"{prefix_id}/{k}".encode(), digest_size=8).digest() for k in range(self.servers)]
+            order = self._orders[prefix_id] = sorted(range(self.servers), key=w.__getitem__, reverse=True)
+        return next((k for k in order if self.state[k] != "out"), 0)
 
     def lookup(self, req: Request) -> int:
         if req.prefix_id is None:
             return 0
         self.lookups += 1
-        if req.prefix_id in self.entries:
-            self.entries.move_to_end(req.prefix_id)
+        k = self.home(req.prefix_id)
+        shard = self.shards[k]
+        if self.state[k] == "up" and req.prefix_id in shard:
+            shard.move_to_end(req.prefix_id)
             self.hits += 1
-            return self.entries[req.prefix_id]
+            return shard[req.prefix_id]
+        if req.prefix_id in self.lost_ids:
+            self.fault_miss_tokens += req.prefix_len
         return 0
 
     def insert(self, req: Request) -> None:
-        if req.prefix_id is None or req.prefix_len == 0 or req.prefix_id in self.entries:
+        if req.prefix_id is None or req.prefix_len == 0:
             return
-        while self.used + req.prefix_len > self.capacity and self.entries:
-            _, n = self.entries.popitem(last=False)
-            self.used -= n
-        if req.prefix_len <= self.capacity:
-            self.entries[req.prefix_id] = req.prefix_len
-            self.used += req.prefix_len
+        k = self.home(req.prefix_id)
+        shard, cap = self.shards[k], self.capacity // self.servers
+        if self.state[k] != "up" or req.prefix_id in shard:
+            return
+        while self.used[k] + req.prefix_len > cap and shard:
+            _, n = shard.popitem(last=False)
+            self.used[k] -= n
+        if req.prefix_len <= cap:
+            shard[req.prefix_id] = req.prefix_len
+            self.used[k] += req.prefix_len
+            self.lost_ids.discard(req.prefix_id)
+
+    def fail_server(self, k: int) -> None:
+        self.lost_ids.update(self.shards[k])
+        self.shards[k].clear()
+        self.used[k] = 0
+        self.state[k] = "lost"
+
+    def detect_server(self, k: int) -> None:
+        self.state[k] = "out"
+
+    def restore_server(self, k: int) -> None:
+        self.state[k] = "up"
+        # keys re-put elsewhere meanwhile now map back here, where they are not
+        self.lost_ids.update(pid for j, sh in enumerate(self.shards) if j != k for pid in sh if self.home(pid) == k)
 
 
 @dataclass
@@ -124,8 +178,16 @@ class Chunk:
     prefix_done: int
     cached_tokens: int = 0
 
+    @property
+    def prefill_len(self) -> int:
+        return self.prompt_len
+
 
 class PrefillInstance:
+    """Batches queued prompts up to a token budget (or chunks of them) and takes the cost
+    model's time for each batch. It can fail (`fail`: the batch in flight is lost), hand back
+    what it held once the failure is detected (`evacuate`) and come back (`restore`)."""
+
     def __init__(self, env: simpy.Environment, name: str, step_time: Callable[[list[Request]], float],
                  ems: EMSPool | None, on_done: Callable[[Request], None], token_budget: int, max_requests: int,
                  chunk_tokens: int = 0):
@@ -135,46 +197,63 @@ class PrefillInstance:
         self.queued_tokens = 0
         self.busy = False
         self.busy_time = 0.0
-        env.process(self.run())
+        self.tokens_emitted = self.wasted = 0
+        self.up = self.known_down = False
+        self.restore()
 
     def submit(self, req: Request) -> None:
-        self.queued_tokens += req.prompt_len
+        self.queued_tokens += req.prefill_len
         self.queue.put(req)
 
-    def run(self):
-        if self.chunk_tokens:
-            yield from self.run_chunked()
-        while True:
-            batch = [(yield self.queue.get())]
-            tokens = batch[0].prompt_len
-            while self.queue.items and len(batch) < self.max_requests \
-                    and tokens + self.queue.items[0].prompt_len <= self.token_budget:
-                req = yield self.queue.get()
-                batch.append(req)
-                tokens += req.prompt_len
-            for r in batch:
-                r.prefill_start = self.env.now
-                r.cached_tokens = self.ems.lookup(r) if self.ems else 0
-            self.busy = True
-            t = self.step_time(batch)
-            yield self.env.timeout(t)
-            self.busy = False
-            self.busy_time += t
-            for r in batch:
-                self.queued_tokens -= r.prompt_len
-                r.first_token = self.env.now
-                if self.ems:
-                    self.ems.insert(r)
-                self.on_done(r)
+    def _next(self):
+        """Wait for the head of the queue (the pending get is kept so that a failure can cancel it)."""
+        self._get = self.queue.get()
+        head = yield self._get
+        self._get = None
+        return head
 
+    def run(self):
+        try:
+            if self.chunk_tokens:
+                yield from self.run_chunked()
+            while True:
+                batch = self.current = [(yield from self._next())]
+                tokens = batch[0].prefill_len
+                while self.queue.items and len(batch) < self.max_requests \
+                        and tokens + self.queue.items[0].prefill_len <= self.token_budget:
+                    req = self.queue.items.pop(0)
+                    batch.append(req)
+                    tokens += req.prefill_len
+                for r in batch:
+                    r.prefill_start = self.env.now
+                    r.cached_tokens = self.ems.lookup(r) if self.ems else 0
+                self.busy = True
+                t = self.step_time(batch)
+                yield self.env.timeout(t)
+                self.busy = False
+                self.busy_time += t
+                self.current = []
+                for r in batch:
+                    self.queued_tokens -= r.prefill_len
+                    self._finish(r)
+        except simpy.Interrupt:
+            return
+
+    def _finish(self, r: Request) -> None:
+        if r.first_token is None:
+            r.first_token = self.env.now
+        self.tokens_emitted += 1
+        if self.ems:
+            self.ems.insert(r)
+        self.on_done(r)
 
     def run_chunked(self):
         """Chunked prefill: each step takes up to `chunk_tokens` tokens from the head of the
         queue, splitting a long prompt over several steps; a request's first token comes with
         its last chunk. A cached prefix is looked up once, before its first chunk."""
-        progress: dict[int, int] = {}  # rid -> prompt tokens already prefilled
+        progress = self.progress = {}  # rid -> prompt tokens already prefilled
         while True:
-            head = yield self.queue.get()
+            head = yield from self._next()
             self.queue.items.insert(0, head)
             pieces, budget = [], self.chunk_tokens
             for r in list(self.queue.items):
@@ -186,39 +265,74 @@ class PrefillInstance:
                     progress[r.rid] = 0
                 done = progress[r.rid]
                 first = done == 0
-                take = min(budget, r.prompt_len - done - (r.cached_tokens if first else 0))
+                take = min(budget, r.prefill_len - done - (r.cached_tokens if first else 0))
                 pieces.append(Chunk(r, take + (r.cached_tokens if first else 0), done,
                                     r.cached_tokens if first else 0))
                 budget -= take
-            self.busy = True
+            self.busy, self.current = True, pieces
             t = self.step_time(pieces)
             yield self.env.timeout(t)
-            self.busy = False
+            self.busy, self.current = False, []
             self.busy_time += t
             for c in pieces:
                 r = c.req
                 progress[r.rid] = c.prefix_done + c.prompt_len
-                if progress[r.rid] >= r.prompt_len:
+                if progress[r.rid] >= r.prefill_len:
                     self.queue.items.remove(r)
                     del progress[r.rid]
-                    self.queued_tokens -= r.prompt_len
-                    r.first_token = self.env.now
-                    if self.ems:
-                        self.ems.insert(r)
-                    self.on_done(r)
+                    self.queued_tokens -= r.prefill_len
+                    self._finish(r)
+
+    def fail(self) -> None:
+        """Stop at once: the batch (or chunks) in flight and the KV of half-prefilled prompts are lost."""
+        if self.up:
+            self.proc.interrupt()
+            if self.busy:
+                self.wasted += sum(c.prefill_len - c.cached_tokens for c in self.current)
+            self.wasted += sum(self.progress.values())
+        self.up = self.busy = False
+        g, self._get = self._get, None
+        if g is not None:  # a head taken off the queue but not yet received goes back
+            if g.triggered:
+                self.queue.items.insert(0, g.value)
+            else:
+                g.cancel()
+
+    def evacuate(self) -> tuple[list[Request], int]:
+        """(requests it held, prompt tokens whose prefill work was lost); the router stops using it."""
+        self.known_down = True
+        lost = [r for r in self.current if isinstance(r, Request)] + self.queue.items
+        wasted, self.wasted = self.wasted, 0
+        self.current, self.queue.items[:], self.progress, self.queued_tokens = [], [], {}, 0
+        return lost, wasted
+
+    def restore(self) -> None:
+        self.up, self.known_down = True, False
+        self.current, self.progress, self._get = [], {}, None
+        self.proc = self.env.process(self.run())
 
 
 class DecodeInstance:
+    """Continuous batching over the running set, one cost-model step per iteration. The
+    running set is held as arrays (requests, generated, output and prompt lengths) so that a
+    step over 30,720 sequences (EP320 at 96 per die) is a few array operations; a Request's
+    `generated` is written back when it finishes or leaves the instance. A failure (`fail`)
+    stops it at once: the step in flight emits nothing, and every request it holds (running or
+    waiting) leaves with `evacuate` to be prefilled again, prompt and output so far."""
+
     def __init__(self, env: simpy.Environment, name: str, step_time: Callable[[int, float], float],
-                 max_batch: int, mtp_drafts: int, mtp_acceptance: float, rng: random.Random,
+                 max_batch: int, mtp_drafts: int, mtp_acceptance: float, rng: np.random.Generator,
                  on_done: Callable[[Request], None]):
         self.env, self.name, self.step_time, self.max_batch = env, name, step_time, max_batch
         self.mtp_drafts, self.mtp_acceptance, self.rng, self.on_done = mtp_drafts, mtp_acceptance, rng, on_done
         self.waiting: list[Request] = []
-        self.running: list[Request] = []
+        self.running = np.empty(0, dtype=object)
+        self._gen = self._out = self._prompt = np.empty(0, dtype=np.int64)
         self.wakeup = env.event()
         self.steps = 0
-        env.process(self.run())
+        self.tokens_emitted = 0
+        self.up, self.known_down = True, False
+        self.proc = env.process(self.run())
 
     @property
     def load(self) -> int:
@@ -229,35 +343,73 @@ class DecodeInstance:
         if not self.wakeup.triggered:
             self.wakeup.succeed()
 
-    def tokens_this_step(self) -> int:
-        """1 verified token plus the drafts accepted in a row (each with probability a)."""
-        n = 1
-        for _ in range(self.mtp_drafts):
-            if self.rng.random() >= self.mtp_acceptance:
-                break
-            n += 1
-        return n
+    def tokens_this_step(self, n: int) -> np.ndarray | int:
+        """Per sequence: 1 verified token plus the drafts accepted in a row (each with probability a)."""
+        if not self.mtp_drafts:
+            return 1
+        accepted = self.rng.random((n, self.mtp_drafts)) < self.mtp_acceptance
+        return 1 + np.cumprod(accepted, axis=1).sum(axis=1)
+
+    def _admit(self) -> None:
+        k = min(len(self.waiting), self.max_batch - len(self.running))
+        if k <= 0:
+            return
+        new, self.waiting = self.waiting[:k], self.waiting[k:]
+        reqs = np.empty(k, dtype=object)
+        reqs[:] = new
+        self.running = np.concatenate([self.running, reqs])
+        self._gen = np.concatenate([self._gen, np.fromiter((r.generated for r in new), np.int64, k)])
+        self._out = np.concatenate([self._out, np.fromiter((r.output_len for r in new), np.int64, k)])
+        self._prompt = np.concatenate([self._prompt, np.fromiter((r.prompt_len for r in new), np.int64, k)])
 
     def run(self):
+        try:
+            yield from self._steps()
+        except simpy.Interrupt:
+            return
+
+    def _steps(self):
         while True:
-            while self.waiting and len(self.running) < self.max_batch:
-                self.running.append(self.waiting.pop(0))
-            if not self.running:
+            self._admit()
+            n = len(self.running)
+            if not n:
                 self.wakeup = self.env.event()
                 yield self.wakeup
                 continue
-            mean_kv = sum(r.prompt_len + r.generated for r in self.running) / len(self.running)
-            yield self.env.timeout(self.step_time(len(self.running), mean_kv))
+            mean_kv = int(self._prompt.sum() + self._gen.sum()) / n
+            yield self.env.timeout(self.step_time(n, mean_kv))
             self.steps += 1
-            still = []
-            for r in self.running:
-                r.generated = min(r.output_len, r.generated + self.tokens_this_step())
-                if r.generated >= r.output_len:
+            gen = np.minimum(self._out, self._gen + self.tokens_this_step(n))
+            self.tokens_emitted += int((gen - self._gen).sum())
+            self._gen = gen
+            done = gen >= self._out
+            if done.any():
+                for r in self.running[done]:
+                    r.generated = r.output_len
                     r.done = self.env.now
                     self.on_done(r)
-                else:
-                    still.append(r)
-            self.running = still
+                keep = ~done
+                self.running, self._gen = self.running[keep], self._gen[keep]
+                self._out, self._prompt = self._out[keep], self._prompt[keep]
+
+    def fail(self) -> None:
+        if self.up:
+            self.proc.interrupt()
+        self.up = False
+
+    def evacuate(self) -> tuple[list[Request], int]:
+        """(requests it held, their context tokens: the KV lost with it); the router stops using it."""
+        self.known_down = True
+        for r, g in zip(self.running, self._gen):
+            r.generated = int(g)
+        lost = list(self.running) + self.waiting
+        self.waiting, self.running = [], self.running[:0]
+        self._gen, self._out, self._prompt = self._gen[:0], self._out[:0], self._prompt[:0]
+        return lost, sum(r.prompt_len + r.generated for r in lost)
+
+    def restore(self) -> None:
+        self.up, self.known_down = True, False
+        self.proc = self.env.process(self.run())
 
 
 @dataclass(frozen=True)
@@ -271,6 +423,7 @@ class ServingConfig:
     prefill_max_requests: int = 1024
     ems_capacity_tokens: int = 0  # 0 = no context cache
     prefill_chunk_tokens: int = 0  # per prefill step of one instance; 0 = whole prompts (no chunking)
+    ems_servers: int = 1  # MP servers the context cache is sharded over (each holds capacity / servers)
     kv_transfer_gb_s: float = 25.0  # prefill -> decode hand-off per request (RDMA plane, one die)
     mtp_drafts: int = 1
     mtp_acceptance: float = 0.7
@@ -308,35 +461,77 @@ class ServingResult:
                 "ems_hit_rate": self.ems_hit_rate}
 
 
+@dataclass
+class Cluster:
+    """The running system as a fault process sees it (`faults.FaultInjector.start`)."""
+
+    env: simpy.Environment
+    prefills: list[PrefillInstance]
+    decodes: list[DecodeInstance]
+    ems: EMSPool | None
+    resubmit: Callable[[list[Request]], None]  # requests a failed instance held: prefilled again
+    restored: Callable[[], None]  # an instance is back: requests waiting for one are routed
+
+
 def simulate(requests: list[Request], cfg: ServingConfig,
              prefill_time: Callable[[list[Request]], float],
              decode_time: Callable[[int, float], float],
-             kv_bytes_per_token: float = 0.0, progress: Callable[[int], None] | None = None) -> ServingResult:
+             kv_bytes_per_token: float = 0.0, progress: Callable[[int], None] | None = None,
+             faults=None, horizon_s: float = 0.0) -> ServingResult:
     """Run the PDC system until every request has finished (or left after prefill if it
-    asks for one token only). Least-loaded routing at both stages."""
+    asks for one token only), and at least until `horizon_s`. Least-loaded routing at both
+    stages, over the instances not known to be down; with none, a request waits for one.
+    `faults` (a faults.FaultInjector) fails and restores instances and EMS servers."""
     env = simpy.Environment()
-    rng = random.Random(cfg.seed)
-    ems = EMSPool(cfg.ems_capacity_tokens) if cfg.ems_capacity_tokens else None
+    rng = np.random.default_rng(cfg.seed)
+    ems = EMSPool(cfg.ems_capacity_tokens, cfg.ems_servers) if cfg.ems_capacity_tokens else None
     finished = [0]
     decodes: list[DecodeInstance] = []
+    pending_prefill: list[Request] = []
+    pending_decode: list[Request] = []
 
     def request_done(r: Request) -> None:
         finished[0] += 1
         if progress:
             progress(1)
 
+    def to_prefill(r: Request) -> None:
+        live = [p for p in prefills if not p.known_down]
+        if live:
+            min(live, key=lambda p: p.queued_tokens).submit(r)
+        else:
+            pending_prefill.append(r)
+
+    def to_decode(r: Request) -> None:
+        live = [d for d in decodes if not d.known_down]
+        if live:
+            min(live, key=lambda d: d.load).submit(r)
+        else:
+            pending_decode.append(r)
+
     def handoff(r: Request):
         if kv_bytes_per_token:
-            yield env.timeout(r.prompt_len * kv_bytes_per_token / (cfg.kv_transfer_gb_s * 1e9))
-        min(decodes, key=lambda d: d.load).submit(r)
+            yield env.timeout(r.prefill_len * kv_bytes_per_token / (cfg.kv_transfer_gb_s * 1e9))
+        to_decode(r)
 
     def after_prefill(r: Request) -> None:
-        r.generated = 1
-        if r.output_len <= 1 or not decodes:
+        r.generated = r.resumed + 1
+        if r.generated >= r.output_len or not decodes:
             r.done = env.now
             request_done(r)
         else:
             env.process(handoff(r))
+
+    def resubmit(lost: list[Request]) -> None:
+        for r in lost:
+            r.resumed = r.generated
+            to_prefill(r)
+
+    def restored() -> None:
+        for pending, route in ((pending_prefill, to_prefill), (pending_decode, to_decode)):
+            waiting, pending[:] = pending[:], []
+            for r in waiting:
+                route(r)
 
     prefills = [PrefillInstance(env, f"prefill{i}", prefill_time, ems, after_prefill,
                                 cfg.prefill_token_budget, cfg.prefill_max_requests, cfg.prefill_chunk_tokens)
@@ -346,29 +541,41 @@ def simulate(requests: list[Request], cfg: ServingConfig,
                    for i in range(cfg.decode_instances))
     series: list[dict] = []
 
+    def over() -> bool:
+        return finished[0] >= len(requests) and env.now >= horizon_s
+
     def arrivals():
         for r in requests:
             yield env.timeout(max(0.0, r.arrival - env.now))
-            min(prefills, key=lambda p: p.queued_tokens).submit(r)
+            to_prefill(r)
 
     def monitor():
-        while finished[0] < len(requests):
+        while not over():
             series.append({"t": env.now,
                            "prefill_busy": sum(p.busy for p in prefills) / len(prefills),
                            "decode_batch_fill": sum(len(d.running) for d in decodes)
                            / max(1, sum(d.max_batch for d in decodes)),
-                           "prefill_queue_tokens": sum(p.queued_tokens for p in prefills)})
+                           "prefill_queue_tokens": sum(p.queued_tokens for p in prefills),
+                           "output_tokens": sum(i.tokens_emitted for i in prefills + decodes),
+                           "prefill_up": sum(p.up for p in prefills) / len(prefills),
+                           "decode_up": sum(d.up for d in decodes) / max(1, len(decodes))})
             yield env.timeout(cfg.sample_dt)
 
     env.process(arrivals())
     env.process(monitor())
-    while finished[0] < len(requests):
+    if faults is not None:
+        faults.start(Cluster(env, prefills, decodes, ems, resubmit, restored))
+    while not over():
         if not env.peek() < math.inf:
-            raise RuntimeError("simulation stalled with unfinished requests")
+            if finished[0] < len(requests):
+                raise RuntimeError("simulation stalled with unfinished requests")
+            break
         env.step()
+    if faults is not None:
+        faults.close(env.now)
     out_tokens = sum(r.output_len for r in requests if r.done is not None)
     devices = cfg.prefill_instances * cfg.prefill_devices + cfg.decode_instances * cfg.decode_devices
-    start = min(r.arrival for r in requests)
+    start = min((r.arrival for r in requests), default=0.0)
     hit = ems.hits / ems.lookups if ems and ems.lookups else 0.0
     return ServingResult(requests, env.now - start, out_tokens, devices, series, hit)
 
@@ -394,7 +601,7 @@ class CostModelTimes:
         """Requests, or Chunks of them: a chunk after `prefix_done` tokens is costed as a prompt of
         done + chunk tokens whose first `done` are a prefix already in HBM."""
         done = [getattr(r, "prefix_done", 0) for r in batch]
-        lens = [r.prompt_len + d for r, d in zip(batch, done)]
+        lens = [r.prefill_len + d for r, d in zip(batch, done)]
         tokens = sum(lens)
         cached = sum(r.cached_tokens for r in batch)
         sq = sum(n**2 for n in lens)
