@@ -183,6 +183,7 @@ def load_cpu_ops() -> bool:
             torch.library.register_fake("matrixinfer::small_mm")(
                 lambda x, w, experts: x.new_empty(x.shape[0], w.shape[1] * SMALL_MM_BLOCK))
             _probe_small_mm()
+            copyreg.pickle(torch._ops.OpOverload, _pickle_operator)  # c_shims' cache key (its docstring)
             ok = True
         except Exception as e:  # no compiler, or it failed: the PyTorch paths still serve
             log.warning("matrixinfer CPU operators not built (%s): the PyTorch paths serve instead",
@@ -222,11 +223,11 @@ def c_shims() -> dict:
     The option is part of inductor's FX-graph and AOTAutograd cache keys, and an OpOverload
     does not pickle (a pybind11 record inside): every compile bypassed both caches, so each
     engine start compiled from scratch (the test model: 80 s with a warm cache dir, as cold).
-    Operators pickle by name (copyreg, Python's own hook), so the key is their names and the
-    shims' declarations, and a restart loads the compiled graphs from disk."""
+    Operators pickle by name (copyreg, Python's own hook, registered once by load_cpu_ops), so
+    the key is their names and the shims' declarations, and a restart loads the compiled
+    graphs from disk."""
     if not _loaded:
         return {}
-    copyreg.pickle(torch._ops.OpOverload, _pickle_operator)
     return {getattr(torch.ops.matrixinfer, name).default: [decl] for name, decl in _C_SHIMS.items()}
 
 

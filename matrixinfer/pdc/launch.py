@@ -18,7 +18,8 @@ def start_pdc(base: EngineConfig, prefill_instances: int = 1, decode_instances: 
               ems_dram_mb: int = 256, restart_instances: bool = True, ray_address: str | None = None,
               decode: EngineConfig | None = None) -> PDCClient:
     """`base`: the prefill instances' configuration, and the decode instances' unless `decode`
-    gives theirs (a deployment file's roles differ: SP-TP-SP prefill, an EP decode). `ems_controller`: join an existing EMS pool; otherwise start one with `ems_servers`
+    gives theirs (a deployment file's roles differ: SP-TP-SP prefill, an EP decode).
+    `ems_controller`: join an existing EMS pool; otherwise start one with `ems_servers`
     MP servers, owned by the returned client (its shutdown() stops it). `ray_address`: place
     the instances and the EMS processes as actors on that Ray cluster instead of here."""
     if prefill_instances < 1 or decode_instances < 1:

@@ -495,19 +495,19 @@ def simulate(requests: list[Request], cfg: ServingConfig,
         if progress:
             progress(1)
 
-    def to_prefill(r: Request) -> None:
-        live = [p for p in prefills if not p.known_down]
+    def route(r: Request, pool: list, load, pending: list[Request]) -> None:
+        """To the least-loaded instance of pool not known to be down; none: held in pending."""
+        live = [i for i in pool if not i.known_down]
         if live:
-            min(live, key=lambda p: p.queued_tokens).submit(r)
+            min(live, key=load).submit(r)
         else:
-            pending_prefill.append(r)
+            pending.append(r)
+
+    def to_prefill(r: Request) -> None:
+        route(r, prefills, lambda p: p.queued_tokens, pending_prefill)
 
     def to_decode(r: Request) -> None:
-        live = [d for d in decodes if not d.known_down]
-        if live:
-            min(live, key=lambda d: d.load).submit(r)
-        else:
-            pending_decode.append(r)
+        route(r, decodes, lambda d: d.load, pending_decode)
 
     def handoff(r: Request):
         if kv_bytes_per_token:
