@@ -296,6 +296,10 @@ class EngineConfig:
     compile_prefill: bool = True
     # False: decode steps stay eager while prefill may compile (PDC prefill instances, which never decode)
     compile_decode: bool = True
+    # A request's tokens and logprobs bitwise the same whatever it is batched with, however its
+    # prompt is chunked or cached (model/batch_invariant.py, docs/determinism.md).
+    # MATRIXINFER_BATCH_INVARIANT=1 flips the default.
+    batch_invariant: bool = field(default_factory=lambda: os.environ.get("MATRIXINFER_BATCH_INVARIANT", "0") == "1")
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -334,7 +338,7 @@ class EngineConfig:
         sections = {"kv_transfer_config": "kv_transfer", "speculative_config": "speculative"}
         for key, value in kwargs.items():
             if key in ("dtype", "device", "seed", "load_format", "model_source_mbps", "num_threads", "enforce_eager",
-                       "compile_prefill", "compile_decode", "engine_core_nice"):
+                       "compile_prefill", "compile_decode", "engine_core_nice", "batch_invariant"):
                 setattr(cfg, key, value)
             elif key in cls._FLAT:
                 section, name = cls._FLAT[key]
@@ -385,6 +389,9 @@ class EngineConfig:
         if steps is not None and steps > 1 and not self.compiles_decode:
             raise ValueError("num_scheduler_steps > 1 needs the compiled decode step: not with enforce_eager, "
                              "speculative decoding, expert parallelism or prefill_parallel sp-tp-sp")
+        if self.batch_invariant and (par.expert_parallel_size > 1 or par.sequence_parallel):
+            raise ValueError("batch_invariant with expert parallelism or prefill_parallel sp-tp-sp is not built yet "
+                             "(their runners build their own steps; docs/determinism.md)")
         if self.quantization.method not in (None, "w8a8", "compressed-tensors"):
             raise ValueError(f"unknown quantization {self.quantization.method!r} (w8a8, compressed-tensors); a "
                              "quantized checkpoint is detected from its config.json")
@@ -406,8 +413,9 @@ class EngineConfig:
 
     @property
     def compiles_prefill(self) -> bool:
-        """Steps of whole new prompts run on the compiled prefill graphs."""
-        return self._compilable_runner and self.compile_prefill
+        """Steps of whole new prompts run on the compiled prefill graphs (not in batch-invariant
+        mode: there prompts run the decode graph, a row per token)."""
+        return self._compilable_runner and self.compile_prefill and not self.batch_invariant
 
     @property
     def decode_steps(self) -> int:
@@ -496,6 +504,9 @@ class EngineConfig:
                             "compile at start-up)")
         p.add_argument("--no-compile-prefill", action="store_true", default=None,
                        help="compile decode steps only: prefill steps run eagerly (a shorter start-up)")
+        p.add_argument("--batch-invariant", action="store_true", default=None,
+                       help="a request's tokens and logprobs bitwise the same in any batch, chunking or cache hit "
+                            "(docs/determinism.md; MATRIXINFER_BATCH_INVARIANT=1)")
         p.add_argument("--num-threads", type=int, default=None,
                        help="intra-op threads per rank (default: the machine's cores over the ranks)")
         p.add_argument("--engine-core-nice", type=int, default=None,
@@ -551,6 +562,8 @@ class EngineConfig:
         decode = f"compiled, {self.decode_steps} steps a schedule" if self.compiles_decode else "eager"
         parts.append(f"decode step {decode}, prefill step {'compiled' if self.compiles_prefill else 'eager'}")
         parts.append(f"prefix cache {'on' if self.cache.enable_prefix_caching else 'off'}")
+        if self.batch_invariant:
+            parts.append("batch-invariant")
         if self.kv_transfer.connector:
             parts.append(f"KV connector {self.kv_transfer.connector}")
         return "; ".join(parts)
@@ -590,6 +603,8 @@ class EngineConfig:
             kw["enforce_eager"] = True
         if getattr(args, "no_compile_prefill", None):
             kw["compile_prefill"] = False
+        if getattr(args, "batch_invariant", None):
+            kw["batch_invariant"] = True
         if getattr(args, "num_threads", None):
             kw["num_threads"] = args.num_threads
         if getattr(args, "engine_core_nice", None) is not None:
@@ -603,6 +618,8 @@ class EngineConfig:
 def _role_engine_args(dep, name: str, role) -> dict:
     """A deployment role's section as engine arguments (EngineConfig.from_kwargs names)."""
     kw = {"quantization": "w8a8"} if dep.dtype == "int8" else {"dtype": dep.dtype}
+    if dep.batch_invariant:
+        kw["batch_invariant"] = True
     tp, ep = role.tensor_parallel_size, role.expert_parallel_size
     if name == "prefill" and role.prefill_parallel == "sp-tp-sp":
         if min(tp, ep) > 1 and tp != ep:

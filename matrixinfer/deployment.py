@@ -81,6 +81,7 @@ class Deployment:
     prefill: PrefillRole | None = None
     decode: DecodeRole = field(default_factory=DecodeRole)
     ems_servers: int = 0
+    batch_invariant: bool = False  # every role in model/batch_invariant.py's mode
 
     @property
     def devices(self) -> int:
@@ -125,7 +126,7 @@ def _section(raw: dict, cls, where: str, prefix: str):
 def deployment_from_dict(raw: dict, where: str = "<deployment>") -> Deployment:
     if not isinstance(raw, dict):
         raise ValueError(f"{where}: expected a YAML mapping at the top level")
-    known = {"model", "dtype", "colocated", "prefill", "decode", "ems"}
+    known = {"model", "dtype", "colocated", "prefill", "decode", "ems", "batch_invariant"}
     for k in raw:
         if k not in known:
             raise _err(where, k, f"unknown field (known: {', '.join(sorted(known))})")
@@ -141,13 +142,17 @@ def deployment_from_dict(raw: dict, where: str = "<deployment>") -> Deployment:
         raise _err(where, "prefill", "a colocated deployment has no prefill role (describe its instances under decode)")
     if not colocated and raw.get("prefill") is None:
         raise _err(where, "prefill", "required when colocated is false")
+    invariant = raw.get("batch_invariant", False)
+    if not isinstance(invariant, bool):
+        raise _err(where, "batch_invariant", f"must be true or false, got {invariant!r}")
     ems = raw.get("ems") or {}
     servers = ems.get("servers", 0) if isinstance(ems, dict) else ems
     if isinstance(servers, bool) or not isinstance(servers, int) or servers < 0:
         raise _err(where, "ems.servers", f"must be an integer >= 0, got {servers!r}")
     return Deployment(model=str(raw["model"]), dtype=dtype, colocated=colocated,
                       prefill=None if colocated else _section(raw["prefill"], PrefillRole, where, "prefill"),
-                      decode=_section(raw.get("decode"), DecodeRole, where, "decode"), ems_servers=servers)
+                      decode=_section(raw.get("decode"), DecodeRole, where, "decode"), ems_servers=servers,
+                      batch_invariant=invariant)
 
 
 def load_deployment(path: str | Path) -> Deployment:

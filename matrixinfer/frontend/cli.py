@@ -34,6 +34,10 @@ def _bench_engine(args) -> int:
         from matrixinfer.quant.bench import cmd_bench_engine_int8
 
         return cmd_bench_engine_int8(args)
+    if args.batch_invariant:
+        from matrixinfer.bench.invariance_bench import main
+
+        return main(args)
     from matrixinfer.bench.engine_bench import main
 
     return main(args)
@@ -76,6 +80,9 @@ def register(sub, bench_sub) -> None:
                    help="int8: INT8 W8A8 vs BF16 on the same requests instead (decode tok/s, weight memory)")
     b.add_argument("--int8-model", default=None, help="with --quantization int8: the INT8 checkpoint "
                                                       "(default: `matrixinfer quantize` of --model into a temp dir)")
+    b.add_argument("--batch-invariant", action="store_true",
+                   help="the batch-invariant mode vs the default instead, same requests (step time, tok/s, and "
+                        "whether each request's batched tokens equal its solo run's)")
     b.add_argument("--peers", default=None, metavar="DIR",
                    help="also run the CPU peers found in DIR (venv_llama/, venv_vllm/, a llama.cpp source for the "
                         "GGUF converter; the layout of ../shared/peers), each in its own process, same requests")

@@ -286,11 +286,14 @@ def _pack(w: torch.Tensor) -> torch.Tensor:
     return w.reshape(e, n // SMALL_MM_BLOCK, SMALL_MM_BLOCK, k // v, v).permute(0, 1, 3, 2, 4).contiguous()
 
 
-def pack_small_mm(w: torch.Tensor) -> torch.Tensor | None:
+def pack_small_mm(w: torch.Tensor, pad_outputs: bool = False) -> torch.Tensor | None:
     """w [E, N, K] or [N, K] (nn.Linear's layout) -> the copy small_mm multiplies by
     ([E, N/16, K/V, 16, V], V = 2 for bfloat16, 1 for float32), or None where small_mm does not
-    serve: another dtype or device, no operators, N not a multiple of 16 or K of V."""
+    serve: another dtype or device, no operators, N not a multiple of 16 (unless pad_outputs:
+    zero rows up to the next multiple, whose outputs the caller drops) or K of V."""
     w3 = w if w.dim() == 3 else w[None]
+    if pad_outputs and w3.shape[1] % SMALL_MM_BLOCK:
+        w3 = F.pad(w3, (0, 0, 0, -w3.shape[1] % SMALL_MM_BLOCK))
     if not small_mm_serves(w.dtype, w.device) or w3.shape[1] % SMALL_MM_BLOCK or w3.shape[2] % _pair_width(w.dtype):
         return None
     return _pack(w3.detach())

@@ -16,12 +16,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from matrixinfer.config import ModelConfig
+from matrixinfer.kernels import small_mm
 from matrixinfer.model.layers import MLP, QuantizationConfig, RoutedExperts
 from matrixinfer.parallel.ep_comm import get_dispatcher
 from matrixinfer.parallel.state import tp_all_reduce
 
 
 class Router(nn.Module):
+    batch_invariant = False  # model/batch_invariant.py: the gate through kernels.small_mm
+    weight_small_mm = None  # its packed copy, where the mode is on (worker/model_runner.prepare_small_mm)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_experts, self.top_k = cfg.n_routed_experts, cfg.num_experts_per_tok
@@ -34,7 +38,10 @@ class Router(nn.Module):
             self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(x.float(), self.weight.float())
+        if self.weight_small_mm is not None:
+            logits = small_mm(x.float(), self.weight_small_mm)[:, : self.n_experts]
+        else:
+            logits = F.linear(x.float(), self.weight.float())
         return logits.sigmoid() if self.scoring_func == "sigmoid" else logits.softmax(dim=-1)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -288,3 +288,13 @@ class CompiledDecode:
                             "it runs through torch.compile", b, why)
         self.compile_s = time.perf_counter() - t
         return self.compile_s
+
+    @torch.inference_mode()
+    def warm_up_size(self, b: int, device: torch.device, report=None) -> None:
+        """One step of b rows through torch.compile (no replay): in batch-invariant mode a
+        prompt's tokens are rows of this graph, up to the step's token budget, and the dynamic
+        graph is compiled for them now rather than at the first long prompt."""
+        if report is not None:
+            report(f"decode step over {b} tokens (batch-invariant prompts): compiling")
+        inputs = self._dummy_step(b, MIN_TABLE_WIDTH, device)
+        self(*inputs[:2], decode_context(inputs))

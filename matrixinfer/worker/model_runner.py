@@ -11,9 +11,11 @@ import torch
 
 from matrixinfer.engine.request import Logprob, PromptLogprobs
 from matrixinfer.engine.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from matrixinfer.kernels import argmax_rows, load_cpu_ops
+from matrixinfer.kernels import argmax_rows, load_cpu_ops, pack_small_mm, small_mm_serves
+from matrixinfer.model import batch_invariant
 from matrixinfer.model.context import ForwardContext, forward_context
 from matrixinfer.model.deepseek import DeepseekForCausalLM
+from matrixinfer.model.moe import Router
 from matrixinfer.worker.compiled_decode import MIN_TABLE_WIDTH, CompiledDecode, padded_batch
 from matrixinfer.worker.compiled_prefill import CompiledPrefill
 from matrixinfer.worker.sampler import SamplingRow, sample
@@ -21,12 +23,25 @@ from matrixinfer.worker.spec_decode import SpecBatch, add_decode_queries, draft_
 
 
 def prepare_small_mm(model: DeepseekForCausalLM) -> None:
-    """The copies of the weights the few-rows operator reads (kernels.small_mm), where it serves."""
+    """The copies of the weights the few-rows operator reads (kernels.small_mm), where it serves
+    (in batch-invariant mode the router's too)."""
     for module in model.modules():
         if hasattr(module, "quant_method"):
             module.quant_method.pack_small_mm(module)
+        if isinstance(module, Router) and module.batch_invariant:
+            module.weight_small_mm = pack_small_mm(module.weight, pad_outputs=True)
     for attn in model.attention_layers():
         attn.prepare_absorbed()
+
+
+def enable_batch_invariant(model: DeepseekForCausalLM, device: torch.device) -> None:
+    """model/batch_invariant.py's mode on `model`, or a ValueError where its operators cannot serve."""
+    dtype = model.lm_head.weight.dtype
+    if device.type != "cpu" or not load_cpu_ops() or not small_mm_serves(dtype, device) \
+            or not small_mm_serves(torch.float32, device):
+        raise ValueError(f"batch-invariant mode runs on matrixinfer's CPU operators (kernels.small_mm, "
+                         f"paged_mla_decode), which do not serve {dtype} on {device} here")
+    batch_invariant.enable(model)
 
 
 class StepOutput(NamedTuple):
@@ -39,8 +54,14 @@ class StepOutput(NamedTuple):
 
 class ModelRunner:
     def __init__(self, model: DeepseekForCausalLM, num_blocks: int, block_size: int, device: torch.device,
-                 compile_decode: bool = False, num_spec_tokens: int = 0, compile_prefill: bool = False):
+                 compile_decode: bool = False, num_spec_tokens: int = 0, compile_prefill: bool = False,
+                 batch_invariant: bool = False):
         self.model, self.device, self.block_size = model, device, block_size
+        # batch-invariant mode: every step a decode step over tokens (prepare), on one graph
+        self.batch_invariant = batch_invariant
+        if batch_invariant:
+            enable_batch_invariant(model, device)
+            compile_prefill = False
         if device.type == "cpu":  # matrixinfer/kernels: built once per machine
             load_cpu_ops()
             prepare_small_mm(model)
@@ -72,6 +93,8 @@ class ModelRunner:
         the step's budget. report: told each size as its warm-up starts."""
         if self.compiled_decode is not None:
             self.compiled_decode.warm_up(max_num_seqs, self.device, report)
+            if self.batch_invariant and max_num_batched_tokens > max_num_seqs:  # prompts run the decode graph too
+                self.compiled_decode.warm_up_size(max_num_batched_tokens, self.device, report)
         if self.compiled_prefill is not None:
             self.compiled_prefill.warm_up(max_num_batched_tokens, self.device, report)
 
@@ -85,6 +108,8 @@ class ModelRunner:
         least MIN_TABLE_WIDTH wide and, at small batch, padding rows (padded_batch): token 0 at
         position 0 writing into the pad block, which their one-token context reads. A step of
         whole new prompts (no decode rows, each from position 0) gets prompt_cu_seqlens."""
+        if self.batch_invariant:
+            return self._prepare_tokens(reqs)
         input_ids, positions, slots, query_lens, context_lens = [], [], [], [], []
         bs = self.block_size
         for r in reqs:
@@ -99,18 +124,50 @@ class ModelRunner:
             query_lens.append(n)
             context_lens.append(start + n)
         decode_only = num_decode == len(reqs) and len(input_ids) == len(reqs)
-        max_blocks = max(len(r.block_table) for r in reqs)
-        tables = [r.block_table + [0] * (max_blocks - len(r.block_table)) for r in reqs]
+        tables = [r.block_table for r in reqs]
+        ctx = self._context(input_ids, positions, slots, query_lens, context_lens, tables, num_decode, decode_only)
+        if num_decode == 0 and all(r.start_pos == 0 for r in reqs):
+            ctx.prompt_cu_seqlens = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.long,
+                                                 device=self.device)
+        return (torch.tensor(input_ids, dtype=torch.long, device=self.device),
+                torch.tensor(positions, dtype=torch.long, device=self.device), ctx)
+
+    def _prepare_tokens(self, reqs: list[ScheduledRequest]):
+        """prepare() in batch-invariant mode: every token a decode row (its sequence's block
+        table, the context up to itself), whatever step it is in. The chunk's latents are all
+        written before any row attends, so each row sees exactly its prefix."""
+        input_ids, positions, slots, tables = [], [], [], []
+        bs = self.block_size
+        for r in reqs:
+            input_ids += r.token_ids
+            n, start = len(r.token_ids), r.start_pos
+            positions += range(start, start + n)
+            slots += [r.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            tables += [r.block_table] * n
+        lens = [p + 1 for p in positions]
+        ctx = self._context(input_ids, positions, slots, [1] * len(lens), lens, tables, len(lens), True)
+        return (torch.tensor(input_ids, dtype=torch.long, device=self.device),
+                torch.tensor(positions, dtype=torch.long, device=self.device), ctx)
+
+    def _context(self, input_ids: list[int], positions: list[int], slots: list[int], query_lens: list[int],
+                 context_lens: list[int], tables: list[list[int]], num_decode: int,
+                 decode_only: bool) -> ForwardContext:
+        """The step's ForwardContext from its host lists (padded in place, see prepare): block
+        tables padded to one width; a decode-only step for the compiled graphs at least
+        MIN_TABLE_WIDTH wide, with padding rows up to its bucket."""
+        bs, rows = self.block_size, len(tables)
+        width = max(len(t) for t in tables)
         if decode_only and self.compiled_decode is not None:
-            width = max(max_blocks, MIN_TABLE_WIDTH)
-            pad, pad_block = padded_batch(len(reqs)) - len(reqs), self.compiled_decode.pad_block
-            tables = [t + [0] * (width - max_blocks) for t in tables] + [[pad_block] * width] * pad
+            width = max(width, MIN_TABLE_WIDTH)
+            pad, pad_block = padded_batch(rows) - rows, self.compiled_decode.pad_block
+            tables = tables + [[pad_block] * width] * pad
             input_ids += [0] * pad
             positions += [0] * pad
             slots += [pad_block * bs] * pad
             context_lens += [1] * pad
+        tables = [t + [0] * (width - len(t)) for t in tables]
         dev = self.device
-        ctx = ForwardContext(
+        return ForwardContext(
             query_lens=query_lens, context_lens=context_lens,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             block_tables=torch.tensor(tables, dtype=torch.long, device=dev),
@@ -118,10 +175,6 @@ class ModelRunner:
             context_lens_tensor=torch.tensor(context_lens, dtype=torch.long, device=dev),
             decode_only=decode_only,
         )
-        if num_decode == 0 and all(r.start_pos == 0 for r in reqs):
-            ctx.prompt_cu_seqlens = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.long, device=dev)
-        return (torch.tensor(input_ids, dtype=torch.long, device=dev),
-                torch.tensor(positions, dtype=torch.long, device=dev), ctx)
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput, skip: set[str] = frozenset(),
@@ -231,7 +284,8 @@ class ModelRunner:
         k, bs = self.num_spec_tokens, self.block_size
         b = SpecBatch.build(reqs, self.model.config.vocab_size, self.device, self._generator)
         ids, pos, ctx = self.prepare(reqs, num_decode)
-        add_decode_queries(ctx, reqs, self.device)
+        if not self.batch_invariant:  # there every verify query is a row of its own already
+            add_decode_queries(ctx, reqs, self.device)
         plain = [(i, r) for i, r in enumerate(reqs) if r.sample and not r.spec]
         with forward_context(ctx):
             hidden = self.model(ids, pos)
@@ -248,13 +302,14 @@ class ModelRunner:
             at = b.first_token + accepted if len(b.rows) else None
             p = pos[at] if at is not None else None
             h = self.model.mtp_draft(hidden, mtp_ids, pos + 1, at,
-                                     draft_context(ctx, b, p, reqs, 0, bs) if at is not None else None)
+                                     draft_context(ctx, b, p, reqs, 0, bs, self.batch_invariant) if at is not None
+                                     else None)
         drafts = []
         if at is not None:
             for depth in range(k):
                 drafts.append(argmax_rows(self.model.compute_logits(h).float()))
                 if depth + 1 < k:  # the MTP layer again, one position further, on its own output
-                    with forward_context(draft_context(ctx, b, p, reqs, depth + 1, bs)):
+                    with forward_context(draft_context(ctx, b, p, reqs, depth + 1, bs, self.batch_invariant)):
                         h = self.model.mtp_forward(h, drafts[-1], p + depth + 2,
                                                    depth=min(depth + 1, len(self.model.model.mtp) - 1))
         if not driver:
@@ -290,7 +345,7 @@ class ModelRunner:
         ids, pos, ctx = self.prepare(reqs, num_decode)
         if ctx.decode_only and self.compiled_decode is not None:
             hidden, logits, greedy = self.compiled_decode(ids, pos, ctx)
-            return StepOutput(hidden[: len(reqs)], logits, greedy)
+            return StepOutput(hidden[: ctx.num_decode_seqs], logits, greedy)  # a row per token, padding dropped
         if ctx.prompt_cu_seqlens is not None and self.compiled_prefill is not None:
             return StepOutput(self.compiled_prefill(ids, pos, ctx))
         with forward_context(ctx):

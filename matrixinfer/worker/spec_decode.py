@@ -151,11 +151,12 @@ def add_decode_queries(ctx: ForwardContext, reqs: list[ScheduledRequest], device
 
 
 def draft_context(ctx: ForwardContext, b: SpecBatch, positions: torch.Tensor, reqs: list[ScheduledRequest],
-                  depth: int, block_size: int) -> ForwardContext:
+                  depth: int, block_size: int, token_rows: bool = False) -> ForwardContext:
     """Context for drafting step `depth` >= 1 of the speculating requests: one query each, at
     the position `depth` past its last accepted row (positions: those rows' positions). The
-    exact lengths live on the device; the host's lengths are upper bounds (the gather size)."""
-    tables = ctx.block_tables[b.req_index]
+    exact lengths live on the device; the host's lengths are upper bounds (the gather size).
+    token_rows: ctx has a block-table row per token (batch-invariant mode), not per request."""
+    tables = ctx.block_tables[b.first_token if token_rows else b.req_index]
     p = positions + depth
     slots = tables.gather(1, (p // block_size)[:, None])[:, 0] * block_size + p % block_size
     bound = [reqs[i].start_pos + len(reqs[i].token_ids) + depth for i in b.host_req_index]

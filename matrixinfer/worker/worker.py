@@ -114,7 +114,8 @@ class Worker:
         if self.config.parallel.expert_parallel_size == 1:
             compile_decode = self.config.compiles_decode
             runner = ModelRunner(self.model, self.num_blocks, block_size, self.device, compile_decode,
-                                 self.config.speculative.num_draft_tokens, self.config.compiles_prefill)
+                                 self.config.speculative.num_draft_tokens, self.config.compiles_prefill,
+                                 self.config.batch_invariant)
             runner.warm_up(self.config.scheduler.max_num_seqs, self.config.scheduler.max_num_batched_tokens,
                            self.report)
             return runner

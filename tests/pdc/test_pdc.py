@@ -302,3 +302,50 @@ def test_instances_as_rank_groups_keep_greedy_output(text_checkpoint, reference,
     while ours() and time.time() < deadline:
         time.sleep(0.2)
     assert not ours()
+
+
+def test_failover_under_batch_invariance_resumes_with_the_solo_text(text_checkpoint, tmp_path):
+    """bfloat16 with batch_invariant on every instance: four concurrent streams over two decode
+    instances, kill -9 of the busier one after the first tokens. Each stream resumes elsewhere
+    (prompt + the tokens it already sent) and its whole text equals the offline engine's run of
+    that prompt alone: every token once, none different (issue: without the mode only 1 of 4)."""
+    import json
+
+    engine = dict(ENGINE, dtype="bfloat16", batch_invariant=True)
+    offline = LLM(model=text_checkpoint[0], **engine)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = PROMPTS + ["x = [1, 2, 3]\nfor v in x:\n"]
+    solo = {p: offline.generate(p, params, use_tqdm=False)[0].outputs[0].text for p in prompts}
+    offline.shutdown()
+    base = EngineConfig.from_kwargs(str(text_checkpoint[0]), **engine)
+    client = start_pdc(base, 1, 2, ems_servers=1, router="round-robin", model_name="tiny", restart_instances=False)
+    server, tenants, ledger = _serve(client, tmp_path)
+    killed = []
+
+    async def stream(http, prompt):
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        text = ""
+        async with http.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    text += json.loads(line[6:])["choices"][0]["text"]
+                    busy = sorted((i for i in client.decode if i.alive and i.requests), key=lambda i: -len(i.requests))
+                    if not killed and text and busy:
+                        killed.append(busy[0])
+                        _kill(busy[0])
+        return text
+
+    async def run_all():
+        async with httpx.AsyncClient() as http:
+            return await asyncio.gather(*(stream(http, p) for p in prompts))
+
+    try:
+        texts = asyncio.run(asyncio.wait_for(run_all(), timeout=240))
+        assert killed, "no decode instance was busy to kill"
+        assert texts == [solo[p] for p in prompts]
+    finally:
+        server.stop()
+        tenants.close()
+        ledger.close()
+        client.shutdown()

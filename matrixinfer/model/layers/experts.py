@@ -30,6 +30,8 @@ SMALL_MM_PAIRS_PER_EXPERT = {torch.float32: 32, torch.bfloat16: 64}
 
 
 class RoutedExperts(nn.Module):
+    batch_invariant = False  # model/batch_invariant.py: small_mm always, or one weighted sum on every path
+
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  expert_ids: list[int] | None = None, quant_config: QuantizationConfig | None = None,
                  prefix: str = "", params_dtype: torch.dtype | None = None,
@@ -93,8 +95,11 @@ class RoutedExperts(nn.Module):
           large batches)."""
         n_local = len(self.expert_ids)
         pairs = not self.is_subset and 2 * num_tokens * top_k <= n_local
+        serves = device is not None and self.quant_method.small_mm_serves(self, dtype, device)
+        if self.batch_invariant and serves and not self.is_subset:
+            return "small_mm"
         small = (not self.is_subset and num_tokens * top_k <= SMALL_MM_PAIRS_PER_EXPERT.get(dtype, 0) * n_local
-                 and device is not None and self.quant_method.small_mm_serves(self, dtype, device))
+                 and serves)
         if small and not (pairs and dtype == torch.float32 and AVX512):
             return "small_mm"
         if pairs:
@@ -118,11 +123,16 @@ class RoutedExperts(nn.Module):
             return _weighted_sum(y, weights)
         if path == "pairs":
             y = self.quant_method.apply_pairs(self, x, self.local_index[ids])
+            if y is not None and self.batch_invariant:  # the grouped path's weighted sum (W8A8: equal pair outputs)
+                return _weighted_sum(y.flatten(0, 1), weights)
             if y is not None:
                 ct = gemm_dtype(x.dtype, x.device)
                 return torch.einsum("nk,nkh->nh", weights.to(ct), y.to(ct)).to(x.dtype)
         elif path == "all":
             y = self.quant_method.apply_all(self, x)
+            if y is not None and self.batch_invariant and not self.is_subset:  # each pair's row, summed as above
+                local = self.local_index[ids]
+                return _weighted_sum(y[local.flatten(), torch.arange(n, device=x.device).repeat_interleave(k)], weights)
             if y is not None:
                 n_local, local = len(self.expert_ids), self.local_index[ids]
                 combine = weights.new_zeros(n, n_local + 1)  # column n_local collects pairs held elsewhere

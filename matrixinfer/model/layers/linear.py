@@ -56,6 +56,7 @@ class LinearBase(nn.Module):
     the tensor-parallel group: "output", "input" or None (replicated)."""
 
     split: str | None = None
+    batch_invariant = False  # model/batch_invariant.py
 
     def __init__(self, input_size: int, output_sizes: list[int], quant_config: QuantizationConfig | None = None,
                  prefix: str = "", params_dtype: torch.dtype | None = None,

@@ -87,10 +87,13 @@ class UnquantizedLinearMethod(LinearMethodBase):
         layer.register_parameter("weight", weight)
 
     def pack_small_mm(self, layer):
-        layer.weight_small_mm = pack_small_mm(layer.weight)
+        layer.weight_small_mm = pack_small_mm(layer.weight, pad_outputs=layer.batch_invariant)
 
     def apply(self, layer, x):
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if layer.batch_invariant:  # every row count through the one operator (model/batch_invariant.py)
+            y = small_mm(x.reshape(rows, x.shape[-1]), layer.weight_small_mm)
+            return y[:, : layer.weight.shape[0]].reshape(*x.shape[:-1], -1)
         limit = (SMALL_MM_REPEATED_ROWS if layer.rows_repeat else SMALL_MM_ROWS).get(x.dtype, 0)
         packed = getattr(layer, "weight_small_mm", None)
         if (0 < rows <= limit and packed is not None and packed.dtype == x.dtype and packed.device == x.device
