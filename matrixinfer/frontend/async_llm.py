@@ -18,6 +18,7 @@ from matrixinfer.config import EngineConfig, ModelConfig
 from matrixinfer.engine.core_client import EngineDeadError, InprocCoreClient, MPCoreClient
 from matrixinfer.engine.messages import EngineCoreOutputs
 from matrixinfer.frontend.output_processor import OutputProcessor
+from matrixinfer.frontend.outputs import EngineStats
 from matrixinfer.frontend.processor import Processor, parent_id
 from matrixinfer.frontend.tokenizer import Tokenizer
 
@@ -157,9 +158,7 @@ class AsyncLLM:
             self._streams.pop(request_id, None)
         self._abort_children(ids)
 
-    def stats(self):
-        from matrixinfer.serving.async_engine import EngineStats
-
+    def stats(self) -> EngineStats:
         s = self.scheduler_stats()
         return EngineStats(num_running=s.num_running, num_waiting=s.num_waiting, kv_cache_usage=s.kv_cache_usage,
                            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,

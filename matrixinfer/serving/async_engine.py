@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from matrixinfer.engine.sampling_params import SamplingParams
-from matrixinfer.frontend.outputs import RequestOutput
+from matrixinfer.frontend.outputs import EngineStats, RequestOutput
 from matrixinfer.frontend.tokenizer import Tokenizer
 
 
@@ -25,20 +25,6 @@ class GenerateRequest:
     params: SamplingParams
     namespace: str = ""  # prefix-cache namespace: the tenant, so tenants never share cached blocks
     arrival_time: float | None = None  # time.monotonic() when the request arrived
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    num_running: int = 0  # sequences being computed
-    num_waiting: int = 0  # sequences queued
-    kv_cache_usage: float = 0.0  # fraction of KV cache blocks in use, 0..1
-    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
-    prefix_cache_hits: int = 0  # of which found
-    # speculative decoding (MTP): verification steps with drafts, drafts, accepted drafts, per position
-    spec_num_drafts: int = 0
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
-    spec_accepted_per_pos: tuple[int, ...] = ()
 
 
 class EngineClient(Protocol):

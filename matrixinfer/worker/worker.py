@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable
 
@@ -41,6 +42,17 @@ def num_kv_blocks(config: EngineConfig, model, max_model_len: int) -> int:
 def max_model_len_of(config: EngineConfig, model_max: int) -> int:
     return min(config.scheduler.max_model_len or model_max, model_max)
 
+
+
+@dataclass
+class ExecutorInfo:
+    """What every executor tells the engine core once its workers are up (Worker.info)."""
+    num_blocks: int  # KV cache blocks on every rank
+    max_model_len: int
+    kv_dtype: str
+    vocab_size: int
+    kv_bytes_per_block: int = 0  # one block's latent KV over all layers (what a hand-off moves)
+    weights: dict | None = None  # rank 0's model-cache load report (load_format "ems")
 
 class Worker:
     def __init__(self, config: EngineConfig, rank: int = 0, world_size: int = 1, init_method: str | None = None,
@@ -153,10 +165,8 @@ class Worker:
         set_dispatcher(dispatcher)
         return dispatcher
 
-    def info(self):
+    def info(self) -> "ExecutorInfo":
         """What the executor tells the engine core about this rank once it is up."""
-        from matrixinfer.executor.base import ExecutorInfo
-
         m = self.model
         return ExecutorInfo(self.num_blocks, self.max_model_len, str(m.lm_head.weight.dtype).removeprefix("torch."),
                             m.config.vocab_size, ModelRunner.cache_bytes_per_block(m, self.config.cache.block_size),
