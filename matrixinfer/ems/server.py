@@ -202,9 +202,13 @@ class MPServer:
             self._save_quotas()
 
     def _set_namespaces(self, n_servers: int) -> None:
-        """Each server enforces quota / number of servers (see docs/ems.md, quotas); a share
-        that shrank (a server joined, a quota was lowered) is enforced at once."""
-        self.shard.set_quotas({name: Quota(v["dram_bytes"] // n_servers, v["ssd_bytes"] // n_servers)
+        """Each server enforces quota x copies per server / number of servers (see docs/ems.md,
+        quotas: a quota counts a tenant's objects once, whatever its replicas); a share that
+        shrank (a server joined, a quota was lowered) is enforced at once."""
+        def share(v: dict, total: int) -> int:
+            return total * min(int(v.get("replicas", 1)), n_servers) // n_servers
+
+        self.shard.set_quotas({name: Quota(share(v, v["dram_bytes"]), share(v, v["ssd_bytes"]))
                                for name, v in self.namespaces.items()})
 
     def _save_quotas(self) -> None:

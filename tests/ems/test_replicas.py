@@ -1,0 +1,82 @@
+"""Namespaces with replicas, against real MP server processes killed with SIGKILL: no miss for
+what was written before a death, re-replication back to N copies, and its cost reported."""
+
+import asyncio
+import time
+
+import pytest
+
+from matrixinfer.ems import AsyncEMSClient
+from matrixinfer.ems.protocol import call_once
+from tests.ems.test_failures import value_for
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _holders_of(client, keys):
+    return {k: client.holders(k) for k in keys}
+
+
+def _async_get_many(controller, ns, keys):
+    async def main():
+        c = await AsyncEMSClient.connect(controller, ns)
+        try:
+            return await c.get_many(keys)
+        finally:
+            await c.close()
+
+    return asyncio.run(main())
+
+
+@pytest.mark.pool(n_servers=3, dram_bytes=16 << 20, heartbeat_timeout_s=1.0)
+def test_kill9_of_one_holder_costs_no_miss_with_two_replicas(fresh_pool, client_factory):
+    """Every key of a replicas=2 namespace is stored on two servers; right after one is
+    SIGKILLed (still in the view) and after the controller dropped it, the sync client (shared
+    memory and TCP) and the async client read every key, right bytes, zero misses."""
+    writer = client_factory(fresh_pool, "rep2", replicas=2)
+    keys = [f"r-{i}" for i in range(240)]
+    assert all(writer.put_many([(k, value_for(k)) for k in keys]))
+    assert sum(s["counters"]["puts"] for s in writer.stats().values()) == 2 * len(keys)
+    victim = fresh_pool.servers[1].id
+    lost_copy = [k for k, h in _holders_of(writer, keys).items() if victim in h]
+    assert len(lost_copy) > 60  # the victim held a copy of a good part of the keys
+    readers = [client_factory(fresh_pool, "rep2"), client_factory(fresh_pool, "rep2", zero_copy=False)]
+    fresh_pool.kill_server(1)
+    time.sleep(0.15)  # past the same-host readers' liveness check: they no longer read its arena
+    for phase in ("killed, still in the view", "dropped from the view"):
+        for c in readers:
+            assert c.get_many(keys) == [value_for(k) for k in keys], phase
+        assert _async_get_many(fresh_pool.controller, "rep2", keys) == [value_for(k) for k in keys], phase
+        out = bytearray(8192)
+        assert all(readers[1].get_into(k, out) == 8192 and out == value_for(k) for k in lost_copy[:20]), phase
+        fresh_pool.wait_members(2)
+
+
+@pytest.mark.pool(n_servers=3, dram_bytes=16 << 20, heartbeat_timeout_s=1.0)
+def test_kill9_with_one_replica_loses_the_victims_keys(fresh_pool, client_factory):
+    """The baseline the replicas are for: with replicas=1 the same kill turns the victim's keys
+    into misses (so the test above proves something)."""
+    c = client_factory(fresh_pool, "rep1")
+    keys = [f"o-{i}" for i in range(240)]
+    assert all(c.put_many([(k, value_for(k)) for k in keys]))
+    victim = fresh_pool.servers[1].id
+    owned = {k for k, h in _holders_of(c, keys).items() if h == [victim]}
+    fresh_pool.kill_server(1)
+    time.sleep(0.15)
+    got = dict(zip(keys, c.get_many(keys)))
+    assert owned and all(got[k] is None for k in owned)
+    assert all(got[k] == value_for(k) for k in keys if k not in owned)
+
+
+def test_replicas_are_namespace_metadata_kept_by_the_controller(pool, client_factory):
+    """create_namespace(replicas=N) is kept by the controller, seen by clients that did not
+    set it, and a bad count is refused."""
+    from matrixinfer.ems import EMSError
+
+    a = client_factory(pool, "meta")
+    assert a.replicas == 1
+    assert a.create_namespace("meta", replicas=2, if_absent=True)  # explicit beats implicit
+    assert a.replicas == 2 and client_factory(pool, "meta").replicas == 2
+    assert call_once(pool.controller, {"op": "ns_list"})["namespaces"]["meta"]["replicas"] == 2
+    with pytest.raises(EMSError, match="replicas"):
+        a.create_namespace("meta", replicas=0)
