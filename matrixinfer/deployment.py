@@ -23,6 +23,7 @@ A YAML file (every key optional unless marked required):
       shared_expert_placement: replicated  # replicated | dedicated (shared experts on ranks of their own)
     ems:
       servers: 0                         # EMS (context + model cache) servers, 0 = none
+      replicas: 1                        # copies of each KV / model-cache object on distinct servers
 
 An instance occupies max(tensor_parallel_size, expert_parallel_size) devices. Errors are
 ValueError naming the file and the field. Nothing here imports the simulator or the engine:
@@ -81,6 +82,7 @@ class Deployment:
     prefill: PrefillRole | None = None
     decode: DecodeRole = field(default_factory=DecodeRole)
     ems_servers: int = 0
+    ems_replicas: int = 1
 
     @property
     def devices(self) -> int:
@@ -142,12 +144,18 @@ def deployment_from_dict(raw: dict, where: str = "<deployment>") -> Deployment:
     if not colocated and raw.get("prefill") is None:
         raise _err(where, "prefill", "required when colocated is false")
     ems = raw.get("ems") or {}
+    if isinstance(ems, dict) and set(ems) - {"servers", "replicas"}:
+        raise _err(where, f"ems.{sorted(set(ems) - {'servers', 'replicas'})[0]}", "unknown field (known: servers, replicas)")
     servers = ems.get("servers", 0) if isinstance(ems, dict) else ems
     if isinstance(servers, bool) or not isinstance(servers, int) or servers < 0:
         raise _err(where, "ems.servers", f"must be an integer >= 0, got {servers!r}")
+    replicas = ems.get("replicas", 1) if isinstance(ems, dict) else 1
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise _err(where, "ems.replicas", f"must be an integer >= 1, got {replicas!r}")
     return Deployment(model=str(raw["model"]), dtype=dtype, colocated=colocated,
                       prefill=None if colocated else _section(raw["prefill"], PrefillRole, where, "prefill"),
-                      decode=_section(raw.get("decode"), DecodeRole, where, "decode"), ems_servers=servers)
+                      decode=_section(raw.get("decode"), DecodeRole, where, "decode"), ems_servers=servers,
+                      ems_replicas=replicas)
 
 
 def load_deployment(path: str | Path) -> Deployment:
