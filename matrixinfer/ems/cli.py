@@ -166,4 +166,6 @@ def register(sub, bench_sub) -> None:
     b.add_argument("--name", default="ems", help="<out dir>/<name>.json (only 'ems' updates BENCHMARKS.md)")
     b.add_argument("--huge-pages", action="store_true", help="measure the same-host get path with the arena on huge "
                    "pages and without, instead")
+    b.add_argument("--replicas", type=int, default=0, help="N >= 2: measure a namespace with N copies side by side "
+                   "with one copy (put/get latency, pool bytes, misses and re-replication after a kill -9), instead")
     b.set_defaults(func=_bench)

@@ -37,6 +37,7 @@ class RepairStats:
     seconds: float = 0.0
     failed: int = 0  # copies that could not be sent (target gone, refused): retried
     version: int = -1  # view version of the last pass that left nothing to send
+    ns_version: int = -1  # ... and the namespace version it was run for
     last_objects: int = 0
     last_bytes: int = 0
     last_seconds: float = 0.0
@@ -67,7 +68,7 @@ class Repairer:
                 continue
             try:
                 if self.run_pass():
-                    self._done = heard
+                    self._done, self.stats.ns_version = heard, heard[1]
             except (*NET_ERRORS, EMSError) as e:  # controller away: try again
                 print(f"ems server {self.id}: re-replication deferred: {e}", file=sys.stderr, flush=True)
 

@@ -26,7 +26,8 @@ def test_every_subcommand_is_registered_with_a_function():
     for argv in (["ems", "controller"], ["ems", "server", "--controller", "h:1", "--ssd-dir", "d"],
                  ["ems", "model-load", "--model", "d", "--direct"], ["ems", "source", "--model", "d"],
                  ["ems", "stats", "--controller", "h:1"], ["ems", "ns-create", "--controller", "h:1", "--name", "n"],
-                 ["ems", "ns-list", "--controller", "h:1"], ["bench", "ems", "--quick"]):
+                 ["ems", "ns-list", "--controller", "h:1"], ["bench", "ems", "--quick"],
+                 ["bench", "ems", "--replicas", "2"]):
         assert callable(parser.parse_args(argv).func)
 
 
