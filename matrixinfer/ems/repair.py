@@ -37,7 +37,6 @@ class RepairStats:
     seconds: float = 0.0
     failed: int = 0  # copies that could not be sent (target gone, refused): retried
     version: int = -1  # view version of the last pass that left nothing to send
-    ns_version: int = -1  # ... and the namespace version it was run for
     last_objects: int = 0
     last_bytes: int = 0
     last_seconds: float = 0.0
@@ -50,25 +49,41 @@ class Repairer:
         self.timeout_s = timeout_s
         self.stats = RepairStats()
         self._wake = threading.Event()
-        self._heard: tuple = ()  # (view version, namespace version) last heard
-        self._done: tuple = ()  # ... of the last complete pass
+        self._version = -1  # view version last heard
+        self._replicas: dict[str, int] = {}  # namespace -> replicas, last heard
+        self._due = self._done = 0  # passes asked for / the last one completed
 
-    def notice(self, version: int | None, ns_version: int) -> None:
-        """The heartbeat heard these versions: a pass is due if they are new."""
-        if version is not None and (version, ns_version) != self._heard:
-            self._heard = (version, ns_version)
-            self._wake.set()
+    def notice(self, version: int | None) -> None:
+        """The view version a heartbeat heard: a pass is due when the ring changed."""
+        if version is not None and version != self._version:
+            self._version = version
+            self._ask()
+
+    def observe(self, namespaces: dict) -> None:
+        """The server's namespaces changed: a pass is due if one's replicas grew. Not for a
+        namespace new to this server (it learns one at its first request, so nothing of it was
+        stored with fewer copies) nor a quota: a pass racing first puts would send copies
+        already in flight."""
+        replicas = {ns: int(v.get("replicas", 1)) for ns, v in namespaces.items()}
+        grew = any(r > self._replicas.get(ns, r) for ns, r in replicas.items())
+        self._replicas = replicas
+        if grew:
+            self._ask()
+
+    def _ask(self) -> None:
+        self._due += 1
+        self._wake.set()
 
     def loop(self, stop: threading.Event) -> None:
         while not stop.is_set():
             self._wake.wait(RETRY_S)
             self._wake.clear()
-            heard = self._heard
-            if stop.is_set() or not heard or heard == self._done:
+            due = self._due
+            if stop.is_set() or due == self._done:
                 continue
             try:
                 if self.run_pass():
-                    self._done, self.stats.ns_version = heard, heard[1]
+                    self._done = due
             except (*NET_ERRORS, EMSError) as e:  # controller away: try again
                 print(f"ems server {self.id}: re-replication deferred: {e}", file=sys.stderr, flush=True)
 

@@ -59,6 +59,7 @@ def run_replicas_bench(args) -> int:
     dram = 2 * (1 + replicas) * rounds * len(SIZES) * 2 * total // n_servers + (32 << 20)
     try:
         with LocalCluster(n_servers=n_servers, root=root, dram_bytes=dram) as cl:
+            cl.wait_repaired(n_servers)  # start-up passes done: nothing else loads the pool
             clients = {r: EMSClient(cl.controller, f"rep{r}", replicas=r) for r in (1, replicas)}
             cells, keys, stored = {}, {}, {}
             for rnd in range(rounds):  # the two namespaces alternate, so the disk's moods hit both

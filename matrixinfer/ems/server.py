@@ -72,10 +72,10 @@ class MPServer:
         self.ns_version = -1
         self.quota_path = os.path.join(cfg.ssd_dir, "QUOTAS.json")
         self._ns_lock = threading.Lock()
+        self.repair = Repairer(self.id, self.shard, cfg.controller, lambda: self.namespaces)
         self._load_quotas()
         self._ns_asked: dict[str, float] = {}
         self._stop = threading.Event()
-        self.repair = Repairer(self.id, self.shard, cfg.controller, lambda: self.namespaces)
 
     # -- request handling ------------------------------------------------------------------------
     def handle(self, h: dict, plen: int, sock: socket.socket):
@@ -213,6 +213,7 @@ class MPServer:
 
         self.shard.set_quotas({name: Quota(share(v, v["dram_bytes"]), share(v, v["ssd_bytes"]))
                                for name, v in self.namespaces.items()})
+        self.repair.observe(self.namespaces)  # replicas raised: copy what we hold
 
     def _save_quotas(self) -> None:
         """The last quotas heard, kept beside the SSD log: a server restarted while the
@@ -257,7 +258,7 @@ class MPServer:
                 reply = call_once(self.cfg.controller, op, timeout_s=2.0)
                 registered = reply.get("known", True)
                 self._apply(reply)
-                self.repair.notice(reply.get("version"), self.ns_version)
+                self.repair.notice(reply.get("version"))
             except (OSError, EMSError):
                 registered = False  # controller down or restarted: register again when it is back
             self._stop.wait(self.cfg.heartbeat_s)

@@ -33,6 +33,7 @@ def test_kill9_of_one_holder_costs_no_miss_with_two_replicas(fresh_pool, client_
     """Every key of a replicas=2 namespace is stored on two servers; right after one is
     SIGKILLed (still in the view) and after the controller dropped it, the sync client (shared
     memory and TCP) and the async client read every key, right bytes, zero misses."""
+    fresh_pool.wait_repaired(3)  # no start-up pass races the puts (the count below is exact)
     writer = client_factory(fresh_pool, "rep2", replicas=2)
     keys = [f"r-{i}" for i in range(240)]
     assert all(writer.put_many([(k, value_for(k)) for k in keys]))
@@ -87,6 +88,7 @@ def test_pool_rereplicates_after_a_death_so_a_second_death_costs_no_miss(fresh_p
     """After a holder is SIGKILLed the survivors send each key that lost a copy to its new
     second holder exactly once (objects and bytes in their stats, a log line); then a second
     holder of the same keys dies and the one server left still serves every key."""
+    fresh_pool.wait_repaired(3)  # the start-up passes are over: none races the puts
     c = client_factory(fresh_pool, "heal", replicas=2)
     keys = [f"h-{i}" for i in range(240)]
     assert all(c.put_many([(k, value_for(k)) for k in keys]))
@@ -95,8 +97,6 @@ def test_pool_rereplicates_after_a_death_so_a_second_death_costs_no_miss(fresh_p
     lost_copy = [k for k in keys if a in holders[k]]
     only_a_and_b = [k for k in keys if set(holders[k]) == {a, b}]
     assert only_a_and_b  # the keys the second death would take without re-replication
-    # a pass for the new namespace may have raced the puts (sending copies that were in
-    # flight anyway): count from here
     before = {i: s["repair"] for i, s in fresh_pool.wait_repaired(3).items()}
     fresh_pool.kill_server(0)
     st = fresh_pool.wait_repaired(2)
@@ -109,3 +109,22 @@ def test_pool_rereplicates_after_a_death_so_a_second_death_costs_no_miss(fresh_p
     tcp = client_factory(fresh_pool, "heal", zero_copy=False)
     for reader in (c, tcp):
         assert reader.get_many(keys) == [value_for(k) for k in keys]
+
+
+@pytest.mark.pool(n_servers=3, dram_bytes=16 << 20, heartbeat_timeout_s=1.0)
+def test_raising_a_namespaces_replicas_copies_what_it_already_holds(fresh_pool, client_factory):
+    """Keys written with one copy get a second once the namespace is redefined with replicas=2
+    (the servers hear it in a heartbeat), so a kill -9 afterwards costs no miss."""
+    c = client_factory(fresh_pool, "grow")
+    keys = [f"g-{i}" for i in range(120)]
+    assert all(c.put_many([(k, value_for(k)) for k in keys]))
+    before = {i: s["repair"]["objects"] for i, s in fresh_pool.wait_repaired(3).items()}
+    assert c.create_namespace("grow", replicas=2)
+    deadline = time.monotonic() + 20
+    while sum(s["repair"]["objects"] - before[i] for i, s in c.stats().items()) < len(keys):
+        assert time.monotonic() < deadline, c.stats()
+        time.sleep(0.1)
+    assert sum(s["repair"]["objects"] - before[i] for i, s in c.stats().items()) == len(keys)
+    fresh_pool.kill_server(0)
+    time.sleep(0.15)
+    assert c.get_many(keys) == [value_for(k) for k in keys]
