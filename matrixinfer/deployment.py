@@ -144,8 +144,9 @@ def deployment_from_dict(raw: dict, where: str = "<deployment>") -> Deployment:
     if not colocated and raw.get("prefill") is None:
         raise _err(where, "prefill", "required when colocated is false")
     ems = raw.get("ems") or {}
-    if isinstance(ems, dict) and set(ems) - {"servers", "replicas"}:
-        raise _err(where, f"ems.{sorted(set(ems) - {'servers', 'replicas'})[0]}", "unknown field (known: servers, replicas)")
+    unknown = sorted(set(ems) - {"servers", "replicas"}) if isinstance(ems, dict) else []
+    if unknown:
+        raise _err(where, f"ems.{unknown[0]}", "unknown field (known: servers, replicas)")
     servers = ems.get("servers", 0) if isinstance(ems, dict) else ems
     if isinstance(servers, bool) or not isinstance(servers, int) or servers < 0:
         raise _err(where, "ems.servers", f"must be an integer >= 0, got {servers!r}")

@@ -14,7 +14,8 @@ import asyncio
 import time
 
 from .samehost import SameHost
-from .protocol import EMSError, as_buffer, async_recv_frame, async_send_frame, decode_get_reply, ns_create_header, parse_addr, wire_key
+from .protocol import (EMSError, as_buffer, async_recv_frame, async_send_frame, decode_get_reply, ns_create_header,
+                       parse_addr, wire_key)
 from .view import ClusterView, FirstHolder, by_server, fold
 
 NET_ERRORS = (OSError, ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError)

@@ -76,7 +76,8 @@ def _ns_create(args) -> int:
     from .protocol import EMSError, call_once, ns_create_header
 
     try:
-        reply = call_once(args.controller, ns_create_header(args.name, args.dram_bytes, args.ssd_bytes, args.replicas, args.if_absent))
+        header = ns_create_header(args.name, args.dram_bytes, args.ssd_bytes, args.replicas, args.if_absent)
+        reply = call_once(args.controller, header)
     except EMSError as e:
         print(f"ems ns-create: {e}", file=sys.stderr)
         return 2

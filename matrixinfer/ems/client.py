@@ -68,7 +68,8 @@ class EMSClient:
                          if_absent: bool = False, replicas: int | None = None) -> bool:
         """Create (or, without `if_absent`, redefine) a namespace: pool-wide quotas and the
         number of copies of each object (`replicas`, default 1). True if it was (re)defined."""
-        reply = call_once(self.cfg.controller, ns_create_header(name, dram_bytes, ssd_bytes, replicas, if_absent), self.cfg.timeout_s)
+        header = ns_create_header(name, dram_bytes, ssd_bytes, replicas, if_absent)
+        reply = call_once(self.cfg.controller, header, self.cfg.timeout_s)
         if name == self.ns:
             self.replicas = reply.get("replicas", 1)
         return reply["created"]
@@ -141,7 +142,11 @@ class EMSClient:
         """Store value (bytes or any buffer, e.g. a CPU tensor); True once durable on every
         holder (its server, or the namespace's N replica servers)."""
         k, buf = wire_key(key), as_buffer(value)
-        return self._all_holders([k], lambda sid, idx: [self._call(sid, {"op": "put", "key": k}, [buf]) is not None], all)[0]
+
+        def one(sid, idx):
+            return [self._call(sid, {"op": "put", "key": k}, [buf]) is not None]
+
+        return self._all_holders([k], one, all)[0]
 
     def get(self, key: str | bytes) -> bytes | None:
         return self.get_many([key])[0]

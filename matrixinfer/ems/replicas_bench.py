@@ -91,8 +91,8 @@ def run_replicas_bench(args) -> int:
             "config": {"servers": n_servers, "replicas": replicas, "bytes_per_cell": total, "rounds": rounds, "fsync": "always",
                        "heartbeat_timeout_s": LocalCluster.heartbeat_timeout_s, "cpus": os.cpu_count(), "quick": args.quick}}
     save_json(f"{args.name}-replicas", data)
-    print(markdown_table(["replicas", "value", "op", "MB/s", "p50 us", "p99 us"],
-                         [[r["replicas"], f"{r['value_bytes'] >> 10} KiB", r["op"], r["MBps"], r["p50_us"], r["p99_us"]] for r in rows]))
+    table = [[r["replicas"], f"{r['value_bytes'] >> 10} KiB", r["op"], r["MBps"], r["p50_us"], r["p99_us"]] for r in rows]
+    print(markdown_table(["replicas", "value", "op", "MB/s", "p50 us", "p99 us"], table))
     print()
     print(markdown_table(list(fail[0]), [list(f.values()) for f in fail]))
     print(f"\nre-replication after kill -9 of 1 of {n_servers} servers: {moved['objects']} objects, "
