@@ -128,3 +128,19 @@ def test_raising_a_namespaces_replicas_copies_what_it_already_holds(fresh_pool, 
     fresh_pool.kill_server(0)
     time.sleep(0.15)
     assert c.get_many(keys) == [value_for(k) for k in keys]
+
+
+@pytest.mark.pool(n_servers=2, dram_bytes=8 << 20)
+def test_a_quota_counts_each_object_once_whatever_its_replicas(fresh_pool, client_factory):
+    """With replicas=2 on 2 servers each server holds every object, so each enforces the whole
+    quota (not half of it): filled past its quota, the namespace holds up to Q on each server,
+    Q of distinct objects, and never more."""
+    from tests.ems.test_control_state import _fill, _ns_usage, _wait_shares
+
+    q_dram, q_ssd = 2 << 20, 3 << 20
+    c = client_factory(fresh_pool, "q2", dram_bytes=q_dram, ssd_bytes=q_ssd, replicas=2)
+    _wait_shares(c, 2)
+    _fill(c, "x-", 60)  # 6 MB of objects into a 3 MB (SSD) namespace
+    usage = _ns_usage(c, "q2")
+    assert all(d <= q_dram and s <= q_ssd for d, s in usage.values()), usage
+    assert all(s > q_ssd // 2 + (200 << 10) for _, s in usage.values()), usage  # more than a half share
