@@ -23,6 +23,7 @@ A YAML file (every key optional unless marked required):
       shared_expert_placement: replicated  # replicated | dedicated (shared experts on ranks of their own)
     ems:
       servers: 0                         # EMS (context + model cache) servers, 0 = none
+      replicas: 1                        # copies of each KV / model-cache object on distinct servers
 
 An instance occupies max(tensor_parallel_size, expert_parallel_size) devices. Errors are
 ValueError naming the file and the field. Nothing here imports the simulator or the engine:
@@ -82,6 +83,7 @@ class Deployment:
     decode: DecodeRole = field(default_factory=DecodeRole)
     ems_servers: int = 0
     batch_invariant: bool = False  # every role in model/batch_invariant.py's mode
+    ems_replicas: int = 1
 
     @property
     def devices(self) -> int:
@@ -146,13 +148,19 @@ def deployment_from_dict(raw: dict, where: str = "<deployment>") -> Deployment:
     if not isinstance(invariant, bool):
         raise _err(where, "batch_invariant", f"must be true or false, got {invariant!r}")
     ems = raw.get("ems") or {}
+    unknown = sorted(set(ems) - {"servers", "replicas"}) if isinstance(ems, dict) else []
+    if unknown:
+        raise _err(where, f"ems.{unknown[0]}", "unknown field (known: servers, replicas)")
     servers = ems.get("servers", 0) if isinstance(ems, dict) else ems
     if isinstance(servers, bool) or not isinstance(servers, int) or servers < 0:
         raise _err(where, "ems.servers", f"must be an integer >= 0, got {servers!r}")
+    replicas = ems.get("replicas", 1) if isinstance(ems, dict) else 1
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise _err(where, "ems.replicas", f"must be an integer >= 1, got {replicas!r}")
     return Deployment(model=str(raw["model"]), dtype=dtype, colocated=colocated,
                       prefill=None if colocated else _section(raw["prefill"], PrefillRole, where, "prefill"),
                       decode=_section(raw.get("decode"), DecodeRole, where, "decode"), ems_servers=servers,
-                      batch_invariant=invariant)
+                      batch_invariant=invariant, ems_replicas=replicas)
 
 
 def load_deployment(path: str | Path) -> Deployment:

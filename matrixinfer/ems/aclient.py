@@ -4,7 +4,8 @@
     await c.put("k", b"v"); await c.get("k")
 
 Batches go to all owning servers concurrently (asyncio.gather). Same failure rule as the sync
-client: an unreachable server is a miss, bad input raises EMSError.
+client: an unreachable server is a miss, bad input raises EMSError; a namespace with replicas
+is written to all its holders and read from the first that has the key (client.py).
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import asyncio
 import time
 
 from .samehost import SameHost
-from .protocol import EMSError, as_buffer, async_recv_frame, async_send_frame, decode_get_reply, parse_addr, wire_key
-from .view import ClusterView, scatter
+from .protocol import (EMSError, as_buffer, async_recv_frame, async_send_frame, decode_get_reply, ns_create_header,
+                       parse_addr, wire_key)
+from .view import ClusterView, FirstHolder, by_server, fold
 
 NET_ERRORS = (OSError, ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError)
 
@@ -55,15 +57,18 @@ class AsyncEMSClient:
         self.ctl_addr = parse_addr(controller)
         self.ns, self.zero_copy, self.timeout_s = namespace, zero_copy, timeout_s
         self.view = ClusterView()
+        self.replicas = 1  # the namespace's, from the controller at every view refresh
         self._view_at = 0.0
         self._conns: dict[str, _AsyncConn] = {}
         self._local: dict[str, SameHost | None] = {}
         self._down: dict[str, float] = {}
 
     @classmethod
-    async def connect(cls, controller: str, namespace: str = "default", **kw) -> "AsyncEMSClient":
+    async def connect(cls, controller: str, namespace: str = "default", *, replicas: int | None = None,
+                      **kw) -> "AsyncEMSClient":
+        """`replicas`: (re)define the namespace with that many copies; None: use it as it is."""
         c = cls(controller, namespace, **kw)
-        await c._controller({"op": "ns_create", "name": namespace, "if_absent": True})
+        await c._controller(ns_create_header(namespace, replicas=replicas, if_absent=replicas is None))
         await c.refresh_view(force=True)
         return c
 
@@ -79,9 +84,10 @@ class AsyncEMSClient:
             return
         self._view_at = time.monotonic()
         try:
-            reply = await self._controller({"op": "view"})
+            reply = await self._controller({"op": "view", "ns": self.ns})
         except NET_ERRORS:
             return
+        self.replicas = reply.get("replicas", 1)
         if reply["version"] != self.view.version:
             old, self.view = self.view, ClusterView.from_reply(reply)
             for sid, m in old.members.items():
@@ -114,12 +120,26 @@ class AsyncEMSClient:
             self._view_at = 0.0
             return None
 
-    async def _fanout(self, keys: list[str], fn, fill) -> list:
-        """Await fn(server_id, indices) for every owning server concurrently; values in key order."""
+    async def _placements(self, keys: list[str]) -> list[list[str]]:
         await self.refresh_view()
-        groups = list(self.view.route(self.ns, keys).items())
-        results = await asyncio.gather(*(fn(sid, idx) for sid, idx in groups))
-        return scatter(len(keys), [(idx, r) for (_, idx), r in zip(groups, results)], fill)
+        return [self.view.owners(self.ns, k, self.replicas) for k in keys]
+
+    @staticmethod
+    async def _each(groups: dict[str, list[int]], fn) -> list[tuple[list[int], list]]:
+        items = list(groups.items())
+        results = await asyncio.gather(*(fn(sid, idx) for sid, idx in items))
+        return [(idx, r) for (_, idx), r in zip(items, results)]
+
+    async def _all_holders(self, keys: list[str], fn, combine) -> list[bool]:
+        """fn on every holder of every key concurrently, folded per key (all / any)."""
+        return fold(len(keys), await self._each(by_server(await self._placements(keys)), fn), combine)
+
+    async def _first_holder(self, keys: list[str], fn) -> list:
+        """fn on each key's first holder, the misses then on the next holders."""
+        read = FirstHolder(await self._placements(keys))
+        while groups := read.round():
+            read.merge(await self._each(groups, fn))
+        return read.values
 
     async def put(self, key, value) -> bool:
         return (await self.put_many([(key, value)]))[0]
@@ -135,7 +155,7 @@ class AsyncEMSClient:
             r = await self._call(sid, {"op": "put_many", "keys": [ks[i] for i in idx], "lens": [len(bufs[i]) for i in idx]}, [bufs[i] for i in idx])
             return r[0]["stored"] if r else [False] * len(idx)
 
-        return await self._fanout(ks, one, False)
+        return await self._all_holders(ks, one, all)
 
     async def get_many(self, keys) -> list[bytes | None]:
         ks = [wire_key(k) for k in keys]
@@ -168,7 +188,7 @@ class AsyncEMSClient:
                     found[k] = v
             return [found.get(k) for k in group]
 
-        return await self._fanout(ks, one, None)
+        return await self._first_holder(ks, one)
 
     async def exists(self, keys) -> list[bool]:
         ks = [wire_key(k) for k in keys]
@@ -177,13 +197,16 @@ class AsyncEMSClient:
             r = await self._call(sid, {"op": "exists", "keys": [ks[i] for i in idx]})
             return r[0]["found"] if r else [False] * len(idx)
 
-        return await self._fanout(ks, one, False)
+        return await self._all_holders(ks, one, any)
 
     async def delete(self, key) -> bool:
         k = wire_key(key)
-        await self.refresh_view()
-        r = await self._call(self.view.owner(self.ns, k), {"op": "delete", "key": k})
-        return bool(r and r[0]["deleted"])
+
+        async def one(sid, idx):
+            r = await self._call(sid, {"op": "delete", "key": k})
+            return [bool(r and r[0]["deleted"])]
+
+        return (await self._all_holders([k], one, any))[0]
 
     async def close(self) -> None:
         for c in self._conns.values():

@@ -8,7 +8,8 @@
 
 Results: <out>/ems.json, <out>/ems.png, section "ems" of <out>/BENCHMARKS.md (see
 bench/report.py: --out, --save). `--huge-pages` instead measures the same-host get path with
-the arena on huge pages and without (hugepages_bench.py).
+the arena on huge pages and without (hugepages_bench.py); `--replicas N` what N copies of
+each object cost next to one (replicas_bench.py).
 """
 
 from __future__ import annotations
@@ -304,6 +305,10 @@ def run_bench(args) -> int:
         from .hugepages_bench import run_hugepages_bench
 
         return run_hugepages_bench(args)
+    if args.replicas:
+        from .replicas_bench import run_replicas_bench
+
+        return run_replicas_bench(args)
     quick = args.quick
     sizes = SIZES if not quick else [64 << 10, 1 << 20]
     servers = [1, 2, 4] if not quick else [1, 2]

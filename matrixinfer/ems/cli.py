@@ -4,6 +4,8 @@
     matrixinfer ems server --controller HOST:P --dram-bytes 1G --ssd-dir DIR [--port Q]
     matrixinfer ems model-load --controller HOST:P --model DIR [--bandwidth-mbps 200]
     matrixinfer ems stats --controller HOST:P
+    matrixinfer ems ns-create --controller HOST:P --name NS [--replicas 2] [--dram-bytes 1G] [--ssd-bytes 8G]
+    matrixinfer ems ns-list --controller HOST:P
     matrixinfer bench ems [--quick]
 """
 
@@ -13,6 +15,7 @@ import argparse
 import json
 import os
 import re
+import sys
 from pathlib import Path
 
 from .config import ControllerConfig, ServerConfig
@@ -66,6 +69,26 @@ def _stats(args) -> int:
 
     with EMSClient(args.controller) as c:
         print(json.dumps(c.stats(), indent=2))
+    return 0
+
+
+def _ns_create(args) -> int:
+    from .protocol import EMSError, call_once, ns_create_header
+
+    try:
+        header = ns_create_header(args.name, args.dram_bytes, args.ssd_bytes, args.replicas, args.if_absent)
+        reply = call_once(args.controller, header)
+    except EMSError as e:
+        print(f"ems ns-create: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps({"name": args.name, "created": reply["created"], "replicas": reply["replicas"]}))
+    return 0
+
+
+def _ns_list(args) -> int:
+    from .protocol import call_once
+
+    print(json.dumps(call_once(args.controller, {"op": "ns_list"})["namespaces"], indent=2))
     return 0
 
 
@@ -126,9 +149,24 @@ def register(sub, bench_sub) -> None:
     p.add_argument("--controller", required=True)
     p.set_defaults(func=_stats)
 
+    p = ems_sub.add_parser("ns-create", help="create or redefine a namespace: quotas and replicas")
+    p.add_argument("--controller", required=True)
+    p.add_argument("--name", required=True)
+    p.add_argument("--replicas", type=int, default=None, help="copies of each object on distinct servers (default 1)")
+    p.add_argument("--dram-bytes", type=parse_bytes, default=None, help="pool-wide DRAM quota (default unlimited)")
+    p.add_argument("--ssd-bytes", type=parse_bytes, default=None, help="pool-wide SSD quota (default unlimited)")
+    p.add_argument("--if-absent", action="store_true", help="leave an explicitly defined namespace as it is")
+    p.set_defaults(func=_ns_create)
+
+    p = ems_sub.add_parser("ns-list", help="print the namespaces with their quotas and replicas")
+    p.add_argument("--controller", required=True)
+    p.set_defaults(func=_ns_list)
+
     b = bench_sub.add_parser("ems", help="EMS vs Redis put/get; model cache vs direct loading")
     b.add_argument("--quick", action="store_true", help="smaller sweep (smoke test)")
     b.add_argument("--name", default="ems", help="<out dir>/<name>.json (only 'ems' updates BENCHMARKS.md)")
     b.add_argument("--huge-pages", action="store_true", help="measure the same-host get path with the arena on huge "
                    "pages and without, instead")
+    b.add_argument("--replicas", type=int, default=0, help="N >= 2: measure a namespace with N copies side by side "
+                   "with one copy (put/get latency, pool bytes, misses and re-replication after a kill -9), instead")
     b.set_defaults(func=_bench)

@@ -3,6 +3,10 @@
 The client pulls the ring view from the controller and talks to MP servers directly. A server
 that is down or slow costs a miss (get -> None, put -> False), never an exception: callers
 are serving requests and a cache must not fail them. Bad input raises EMSError.
+
+Replicas: a namespace with `replicas: N` has each key written to its N holders on the ring
+(view.owners) in parallel, a put is True once all of them acknowledged; reads ask the holders
+in ring order until one has it, so a dead holder costs a failed connection, not a miss.
 """
 
 from __future__ import annotations
@@ -12,9 +16,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from .config import ClientConfig
-from .protocol import Connection, EMSError, as_buffer, call_once, decode_get_reply, drain, parse_addr, recv_exact_into, wire_key
+from .protocol import (Connection, EMSError, as_buffer, call_once, decode_get_reply, drain, ns_create_header, parse_addr,
+                       recv_exact_into, wire_key)
 from .samehost import SameHost
-from .view import ClusterView, Member, scatter
+from .view import ClusterView, FirstHolder, Member, by_server, fold
 
 NET_ERRORS = (OSError, ConnectionError, TimeoutError)
 
@@ -42,22 +47,31 @@ class _Server:
 
 class EMSClient:
     def __init__(self, controller: str, namespace: str = "default", *, zero_copy: bool = True,
-                 timeout_s: float = 5.0, dram_bytes: int | None = None, ssd_bytes: int | None = None):
+                 timeout_s: float = 5.0, dram_bytes: int | None = None, ssd_bytes: int | None = None,
+                 replicas: int | None = None):
         self.cfg = ClientConfig(controller=controller, namespace=namespace, zero_copy=zero_copy, timeout_s=timeout_s)
         parse_addr(controller)
         self.ns = namespace
         self._lock = threading.Lock()
         self._servers: dict[str, _Server] = {}
         self.view = ClusterView()
+        self.replicas = 1  # the namespace's, from the controller at every view refresh
         self._view_at = 0.0
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ems-client")
-        # Namespaces are created on first use; explicit quotas (re)define them.
-        self.create_namespace(namespace, dram_bytes, ssd_bytes, if_absent=dram_bytes is None and ssd_bytes is None)
+        # Namespaces are created on first use; explicit quotas or replicas (re)define them.
+        implicit = dram_bytes is None and ssd_bytes is None and replicas is None
+        self.create_namespace(namespace, dram_bytes, ssd_bytes, if_absent=implicit, replicas=replicas)
         self.refresh_view(force=True)
 
     # -- controller --------------------------------------------------------------------------------
-    def create_namespace(self, name: str, dram_bytes: int | None = None, ssd_bytes: int | None = None, if_absent: bool = False) -> bool:
-        reply = call_once(self.cfg.controller, {"op": "ns_create", "name": name, "dram_bytes": dram_bytes, "ssd_bytes": ssd_bytes, "if_absent": if_absent}, self.cfg.timeout_s)
+    def create_namespace(self, name: str, dram_bytes: int | None = None, ssd_bytes: int | None = None,
+                         if_absent: bool = False, replicas: int | None = None) -> bool:
+        """Create (or, without `if_absent`, redefine) a namespace: pool-wide quotas and the
+        number of copies of each object (`replicas`, default 1). True if it was (re)defined."""
+        header = ns_create_header(name, dram_bytes, ssd_bytes, replicas, if_absent)
+        reply = call_once(self.cfg.controller, header, self.cfg.timeout_s)
+        if name == self.ns:
+            self.replicas = reply.get("replicas", 1)
         return reply["created"]
 
     def refresh_view(self, force: bool = False) -> None:
@@ -66,9 +80,10 @@ class EMSClient:
             return
         self._view_at = now
         try:
-            reply = call_once(self.cfg.controller, {"op": "view"}, self.cfg.timeout_s)
+            reply = call_once(self.cfg.controller, {"op": "view", "ns": self.ns}, self.cfg.timeout_s)
         except NET_ERRORS:
             return  # controller unreachable: keep serving with the last view
+        self.replicas = reply.get("replicas", 1)
         with self._lock:
             if reply["version"] == self.view.version:
                 return
@@ -96,24 +111,42 @@ class EMSClient:
             self._view_at = 0.0  # membership probably changed: look again on the next call
             return None
 
-    def _fanout(self, keys: list[str], fn, fill) -> list:
-        """Run fn(server_id, indices) -> values for each owning server in parallel; the values
-        in key order (`fill` where a server had nothing to say)."""
-        self.refresh_view()
-        groups = self.view.route(self.ns, keys)
-        if len(groups) == 1:
-            (sid, idx), = groups.items()
-            return scatter(len(keys), [(idx, fn(sid, idx))], fill)
+    def holders(self, key: str) -> list[str]:
+        """The servers that hold `key` (wire form) in this client's view, in read order."""
+        return self.view.owners(self.ns, key, self.replicas)
+
+    def _each(self, groups: dict[str, list[int]], fn) -> list[tuple[list[int], list]]:
+        """Run fn(server_id, indices) -> per-index values for each server in parallel."""
+        if len(groups) <= 1:
+            return [(idx, fn(sid, idx)) for sid, idx in groups.items()]
         futures = [(idx, self._pool.submit(fn, sid, idx)) for sid, idx in groups.items()]
-        return scatter(len(keys), [(idx, f.result()) for idx, f in futures], fill)
+        return [(idx, f.result()) for idx, f in futures]
+
+    def _all_holders(self, keys: list[str], fn, combine) -> list[bool]:
+        """fn on every holder of every key (writes, exists, deletes), folded per key with
+        `combine` (all: stored everywhere; any: found somewhere)."""
+        self.refresh_view()
+        return fold(len(keys), self._each(by_server([self.holders(k) for k in keys]), fn), combine)
+
+    def _first_holder(self, keys: list[str], fn) -> list:
+        """fn on each key's first holder, then the misses on the next holders (a dead or
+        replaced holder's keys are read from another copy): the values in key order."""
+        self.refresh_view()
+        read = FirstHolder([self.holders(k) for k in keys])
+        while groups := read.round():
+            read.merge(self._each(groups, fn))
+        return read.values
 
     # -- single-key API ---------------------------------------------------------------------------
     def put(self, key: str | bytes, value) -> bool:
-        """Store value (bytes or any buffer, e.g. a CPU tensor); True once durable on its server."""
+        """Store value (bytes or any buffer, e.g. a CPU tensor); True once durable on every
+        holder (its server, or the namespace's N replica servers)."""
         k, buf = wire_key(key), as_buffer(value)
-        self.refresh_view()
-        reply = self._call(self.view.owner(self.ns, k), {"op": "put", "key": k}, [buf])
-        return reply is not None
+
+        def one(sid, idx):
+            return [self._call(sid, {"op": "put", "key": k}, [buf]) is not None]
+
+        return self._all_holders([k], one, all)[0]
 
     def get(self, key: str | bytes) -> bytes | None:
         return self.get_many([key])[0]
@@ -124,9 +157,10 @@ class EMSClient:
         k, dst = wire_key(key), as_buffer(out)
         if dst.readonly:
             raise EMSError("get_into needs a writable buffer")
-        self.refresh_view()
-        sid = self.view.owner(self.ns, k)
-        s = self._server(sid) if sid else None
+        return self._first_holder([k], lambda sid, idx: [self._get_into_from(sid, k, dst)])[0]
+
+    def _get_into_from(self, sid: str, k: str, dst: memoryview) -> int | None:
+        s = self._server(sid)
         reader = s.arena() if s is not None else None
         if reader is not None:
             n = s.local.get_into(self.ns, k, dst)
@@ -168,22 +202,28 @@ class EMSClient:
             r = self._call(sid, {"op": "exists", "keys": [ks[i] for i in idx]})
             return r[0]["found"] if r else [False] * len(idx)
 
-        out = self._fanout(ks, one, False)
+        out = self._all_holders(ks, one, any)
         return out[0] if single else out
 
     def delete(self, key: str | bytes) -> bool:
         k = wire_key(key)
-        self.refresh_view()
-        r = self._call(self.view.owner(self.ns, k), {"op": "delete", "key": k})
-        return bool(r and r[0]["deleted"])
+
+        def one(sid, idx):
+            r = self._call(sid, {"op": "delete", "key": k})
+            return [bool(r and r[0]["deleted"])]
+
+        return self._all_holders([k], one, any)[0]
 
     def lease(self, key: str | bytes, ttl_s: float = 30.0) -> bool | None:
         """True if the caller should fill this absent key (the others wait for it until it
         appears or the lease expires); None if its server is unreachable."""
         k = wire_key(key)
         self.refresh_view()
-        r = self._call(self.view.owner(self.ns, k), {"op": "lease", "key": k, "ttl_s": ttl_s})
-        return None if r is None else bool(r[0]["acquired"])
+        for sid in self.holders(k):  # the first live holder arbitrates
+            r = self._call(sid, {"op": "lease", "key": k, "ttl_s": ttl_s})
+            if r is not None:
+                return bool(r[0]["acquired"])
+        return None
 
     # -- batches ----------------------------------------------------------------------------------
     def put_many(self, items) -> list[bool]:
@@ -196,11 +236,11 @@ class EMSClient:
             r = self._call(sid, {"op": "put_many", "keys": [ks[i] for i in idx], "lens": [len(bufs[i]) for i in idx]}, [bufs[i] for i in idx])
             return r[0]["stored"] if r else [False] * len(idx)
 
-        return self._fanout(ks, one, False)
+        return self._all_holders(ks, one, all)
 
     def get_many(self, keys) -> list[bytes | None]:
         ks = [wire_key(k) for k in keys]
-        return self._fanout(ks, lambda sid, idx: self._get_group(sid, [ks[i] for i in idx]), None)
+        return self._first_holder(ks, lambda sid, idx: self._get_group(sid, [ks[i] for i in idx]))
 
     def _hit(self, sid: str, s: _Server, keys: list[str]) -> None:
         """Report reads served from shared memory to the server's LRU, in batches."""
@@ -208,8 +248,8 @@ class EMSClient:
         if batch:
             self._call(sid, {"op": "touch", "keys": batch})
 
-    def _get_group(self, sid: str | None, keys: list[str]) -> list[bytes | None]:
-        s = self._server(sid) if sid else None
+    def _get_group(self, sid: str, keys: list[str]) -> list[bytes | None]:
+        s = self._server(sid)
         values: list[bytes | None] = [None] * len(keys)
         need = list(range(len(keys)))
         reader = s.arena() if s is not None else None

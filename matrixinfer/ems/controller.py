@@ -2,8 +2,10 @@
 
 MP servers register and heartbeat; a server silent for `heartbeat_timeout_s` is dropped and
 the view version bumps. Clients pull the view (servers + vnodes) and build the same ring
-locally, so data never passes through here. Namespaces, quotas, members and versions are
-kept in SQLite (`state.py`) and restored on start.
+locally, so data never passes through here. A namespace's `replicas` (N copies of each
+object, on the owner and the next N-1 distinct servers of the ring) is metadata like its
+quotas; the copies themselves are the clients' and servers' business. Namespaces, quotas,
+replicas, members and versions are kept in SQLite (`state.py`) and restored on start.
 """
 
 from __future__ import annotations
@@ -17,6 +19,12 @@ from .protocol import EMSError, RPCServer, drain, serve_until_signal
 from .state import ControllerState
 
 NS_LIMIT = 1 << 62
+MAX_REPLICAS = 16
+
+
+def replicas_of(ns: dict) -> int:
+    """Namespaces saved before replicas existed have one copy."""
+    return int(ns.get("replicas", 1))
 
 
 class Controller:
@@ -76,32 +84,41 @@ class Controller:
         if sid not in self.members:
             return {"ok": True, "known": False}
         self.last_seen[sid] = time.monotonic()
-        return {"ok": True, "known": True, **self._ns_reply(h.get("ns_version", -1))}
+        # the view version tells the server when to re-replicate (repair.py)
+        return {"ok": True, "known": True, "version": self.version, **self._ns_reply(h.get("ns_version", -1))}
 
     def op_view(self, h):
-        return {"ok": True, "version": self.version, "vnodes": self.cfg.vnodes, "servers": sorted(self.members.values(), key=lambda m: m["id"])}
+        """The ring; with `ns`, also that namespace's replica count (a client reads it at
+        every refresh, so a redefinition reaches running clients)."""
+        ns = self.namespaces.get(h.get("ns")) or {}
+        return {"ok": True, "version": self.version, "vnodes": self.cfg.vnodes, "replicas": replicas_of(ns),
+                "servers": sorted(self.members.values(), key=lambda m: m["id"])}
 
     def op_ns_create(self, h):
-        """Create or redefine a namespace. Without quotas (a client's implicit creation on
-        first use) it is created unlimited and *implicit*; a later creation with quotas
-        applies them even with `if_absent`, so the order of the two does not matter."""
+        """Create or redefine a namespace. Without quotas or replicas (a client's implicit
+        creation on first use) it is created unlimited, one copy, and *implicit*; a later
+        creation that gives any of them applies them even with `if_absent`, so the order of
+        the two does not matter."""
         name = h.get("name")
         if not isinstance(name, str) or not name or len(name) > 255:
             raise EMSError("namespace name must be a non-empty string of at most 255 characters")
-        quota = {"explicit": h.get("dram_bytes") is not None or h.get("ssd_bytes") is not None}
-        for k in ("dram_bytes", "ssd_bytes"):
+        given = [k for k in ("dram_bytes", "ssd_bytes", "replicas") if h.get(k) is not None]
+        quota = {"explicit": bool(given)}
+        for k, default in (("dram_bytes", NS_LIMIT), ("ssd_bytes", NS_LIMIT), ("replicas", 1)):
             v = h.get(k)
-            v = NS_LIMIT if v is None else v
+            v = default if v is None else v
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise EMSError(f"{k} must be a positive integer")
             quota[k] = v
+        if quota["replicas"] > MAX_REPLICAS:
+            raise EMSError(f"replicas must be at most {MAX_REPLICAS}")
         cur = self.namespaces.get(name)
         if h.get("if_absent") and cur is not None and (cur.get("explicit", True) or not quota["explicit"]):
-            return {"ok": True, "created": False, "ns_version": self.ns_version}
+            return {"ok": True, "created": False, "ns_version": self.ns_version, "replicas": replicas_of(cur)}
         self.namespaces[name] = quota
         self.ns_version += 1
         self.state.save_namespace(name, quota, self.ns_version)
-        return {"ok": True, "created": True, "ns_version": self.ns_version}
+        return {"ok": True, "created": True, "ns_version": self.ns_version, "replicas": quota["replicas"]}
 
     def op_ns_list(self, h):
         return {"ok": True, "ns_version": self.ns_version, "namespaces": self.namespaces}

@@ -122,6 +122,23 @@ class LocalCluster:
                 raise TimeoutError(f"expected {n} servers in the view, have {self.members()}")
             time.sleep(0.05)
 
+    def wait_repaired(self, n: int, timeout_s: float = 20.0) -> dict[str, dict]:
+        """Until the view has n servers and each has finished re-replicating for that view
+        (repair.py); their stats."""
+        self.wait_members(n, timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            view = call_once(self.controller, {"op": "view"})
+            try:
+                st = {m["id"]: call_once(f"{m['host']}:{m['port']}", {"op": "stats"}) for m in view["servers"]}
+            except OSError:
+                st = {}  # a server left meanwhile: look again
+            if len(st) == n and all(s["repair"]["version"] >= view["version"] for s in st.values()):
+                return st
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"re-replication not finished: { {i: s['repair'] for i, s in st.items()} }")
+            time.sleep(0.05)
+
     def kill_server(self, i: int, sig: int = signal.SIGKILL) -> None:
         p = self.servers[i].popen
         p.send_signal(sig)

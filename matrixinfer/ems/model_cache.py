@@ -25,6 +25,7 @@ from .client import EMSClient
 from .protocol import Connection, EMSError, RPCServer, drain, parse_addr, serve_until_signal
 
 CHUNK = 4 << 20
+MODEL_NAMESPACE = "models"  # where the engine's workers (load_format ems) keep checkpoints
 ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
              "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 

@@ -142,6 +142,13 @@ def parse_addr(addr: str) -> tuple[str, int]:
     return host or "127.0.0.1", int(port)
 
 
+def ns_create_header(name: str, dram_bytes: int | None = None, ssd_bytes: int | None = None,
+                     replicas: int | None = None, if_absent: bool = False) -> dict:
+    """The controller's `ns_create` request (None: not given, so an implicit creation)."""
+    return {"op": "ns_create", "name": name, "dram_bytes": dram_bytes, "ssd_bytes": ssd_bytes,
+            "replicas": replicas, "if_absent": if_absent}
+
+
 # -- server side --------------------------------------------------------------------------
 
 Handler = Callable[[dict, int, socket.socket], tuple]

@@ -1,8 +1,9 @@
 """Consistent-hash ring with virtual nodes: which MP server owns a key.
 
 Each server sits at `vnodes` points on a 64-bit ring; a key belongs to the first point at or
-after its hash. Adding an (N+1)-th server takes over about 1/(N+1) of the keys and moves
-nothing else; removing one hands only its keys to the others.
+after its hash (its replicas to the next distinct servers after it). Adding an (N+1)-th
+server takes over about 1/(N+1) of the keys and moves nothing else; removing one hands only
+its keys to the others.
 """
 
 from __future__ import annotations
@@ -51,6 +52,23 @@ class HashRing:
             key = key.encode("latin-1")
         i = bisect.bisect_left(self._points, hash64(key))
         return self._owner[self._points[i % len(self._points)]]
+
+    def lookup_n(self, key: bytes | str, n: int) -> list[str]:
+        """The key's owner and the next distinct servers clockwise: its `n` replica holders
+        (fewer when the ring has fewer servers). The first is `lookup(key)`; removing a
+        server shifts the others up a place, so survivors keep the key."""
+        if not self._points:
+            return []
+        if isinstance(key, str):
+            key = key.encode("latin-1")
+        n, out = min(n, len(self.servers)), []
+        i = bisect.bisect_left(self._points, hash64(key))
+        while len(out) < n:
+            s = self._owner[self._points[i % len(self._points)]]
+            if s not in out:
+                out.append(s)
+            i += 1
+        return out
 
     def share(self, server: str) -> float:
         """Fraction of the ring (so, of uniformly hashed keys) that `server` owns."""

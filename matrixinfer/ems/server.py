@@ -1,7 +1,8 @@
 """The MP (memory-pool) server process: serves its shard over TCP and shared memory.
 
 It registers with the controller, heartbeats, learns namespace quotas from it, and answers
-clients directly: the controller never sees data.
+clients directly: the controller never sees data. When the ring changes it re-replicates
+what it holds to the holders that lack it (repair.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import threading
 import time
 
 from .arena import Arena, reap_dead_arenas
+from .repair import Repairer
 from .config import ServerConfig
 from .protocol import EMSError, RPCServer, call_once, drain, recv_exact_into, serve_until_signal, wire_key
 from .shard import Quota, Shard
@@ -70,6 +72,7 @@ class MPServer:
         self.ns_version = -1
         self.quota_path = os.path.join(cfg.ssd_dir, "QUOTAS.json")
         self._ns_lock = threading.Lock()
+        self.repair = Repairer(self.id, self.shard, cfg.controller, lambda: self.namespaces)
         self._load_quotas()
         self._ns_asked: dict[str, float] = {}
         self._stop = threading.Event()
@@ -184,7 +187,7 @@ class MPServer:
     def op_stats(self, h, plen, sock):
         st = self.shard.stats()
         st["arena"].update(self.arena.placement, huge_page_bytes=self.arena.huge_page_bytes())
-        return {"ok": True, "id": self.id, "n_servers": self.n_servers, **st}, []
+        return {"ok": True, "id": self.id, "n_servers": self.n_servers, "repair": vars(self.repair.stats).copy(), **st}, []
 
     # -- membership ------------------------------------------------------------------------------
     def _member(self) -> dict:
@@ -202,10 +205,15 @@ class MPServer:
             self._save_quotas()
 
     def _set_namespaces(self, n_servers: int) -> None:
-        """Each server enforces quota / number of servers (see docs/ems.md, quotas); a share
-        that shrank (a server joined, a quota was lowered) is enforced at once."""
-        self.shard.set_quotas({name: Quota(v["dram_bytes"] // n_servers, v["ssd_bytes"] // n_servers)
+        """Each server enforces quota x copies per server / number of servers (see docs/ems.md,
+        quotas: a quota counts a tenant's objects once, whatever its replicas); a share that
+        shrank (a server joined, a quota was lowered) is enforced at once."""
+        def share(v: dict, total: int) -> int:
+            return total * min(int(v.get("replicas", 1)), n_servers) // n_servers
+
+        self.shard.set_quotas({name: Quota(share(v, v["dram_bytes"]), share(v, v["ssd_bytes"]))
                                for name, v in self.namespaces.items()})
+        self.repair.observe(self.namespaces)  # replicas raised: copy what we hold
 
     def _save_quotas(self) -> None:
         """The last quotas heard, kept beside the SSD log: a server restarted while the
@@ -250,6 +258,7 @@ class MPServer:
                 reply = call_once(self.cfg.controller, op, timeout_s=2.0)
                 registered = reply.get("known", True)
                 self._apply(reply)
+                self.repair.notice(reply.get("version"))
             except (OSError, EMSError):
                 registered = False  # controller down or restarted: register again when it is back
             self._stop.wait(self.cfg.heartbeat_s)
@@ -264,6 +273,7 @@ class MPServer:
     def serve(self) -> None:
         threading.Thread(target=self.heartbeat_loop, daemon=True).start()
         threading.Thread(target=self.housekeeping_loop, daemon=True).start()
+        threading.Thread(target=self.repair.loop, args=(self._stop,), daemon=True).start()
         print(f"READY {self.cfg.host}:{self.rpc.port} id={self.id} recovered={self.shard.ssd.recovered}", flush=True)
         self.rpc.serve_forever()
 

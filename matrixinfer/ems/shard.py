@@ -242,6 +242,15 @@ class Shard:
             blk.pins += pin
             return blk, self.arena.data(blk.off, blk.length)
 
+    def peek(self, ns: str, key: str) -> bytes | None:
+        """A copy of a value that leaves the LRU and DRAM as they are (no promotion): what
+        background re-replication sends, so it does not push hot objects out of DRAM."""
+        with self.lock:
+            blk = self.index.get((ns, key))
+            if blk is not None:
+                return bytes(self.arena.data(blk.off, blk.length))
+        return self.ssd.get(ns, key)
+
     def unpin(self, blk: Block) -> None:
         with self.lock:
             blk.pins -= 1

@@ -130,6 +130,11 @@ class SegmentLog:
     def contains(self, ns: str, key: str) -> bool:
         return (ns, key) in self.index
 
+    def keys(self, ns: str) -> list[str]:
+        """Every key of a namespace this log holds (a snapshot; re-replication walks it)."""
+        with self.lock:
+            return list(self.order.get(ns, ()))
+
     def oldest(self, ns: str) -> str | None:
         order = self.order.get(ns)
         return next(iter(order)) if order else None

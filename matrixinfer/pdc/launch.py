@@ -4,6 +4,7 @@ and the PDC front end that serving's HTTP API talks to."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -12,16 +13,32 @@ from dataclasses import replace
 from matrixinfer.config import EngineConfig, KVTransferConfig
 from matrixinfer.pdc.client import PDCClient
 
+log = logging.getLogger(__name__)
+
+
+def define_namespaces(controller: str, names: list[str], replicas: int) -> None:
+    """Give the stack's namespaces `replicas` copies before any instance uses them (an implicit
+    creation by an instance would be one copy). A namespace someone defined explicitly (a
+    shared pool) is left as it is, with a warning if its count differs."""
+    from matrixinfer.ems.protocol import call_once, ns_create_header
+
+    for name in names:
+        reply = call_once(controller, ns_create_header(name, replicas=replicas, if_absent=True))
+        if reply["replicas"] != replicas:
+            log.warning("EMS namespace %r keeps its %d replica(s) (defined before this stack); asked for %d",
+                        name, reply["replicas"], replicas)
+
 
 def start_pdc(base: EngineConfig, prefill_instances: int = 1, decode_instances: int = 1, ems_servers: int = 1,
               ems_controller: str | None = None, router: str = "least-loaded", model_name: str | None = None,
               ems_dram_mb: int = 256, restart_instances: bool = True, ray_address: str | None = None,
-              decode: EngineConfig | None = None) -> PDCClient:
+              decode: EngineConfig | None = None, ems_replicas: int = 1) -> PDCClient:
     """`base`: the prefill instances' configuration, and the decode instances' unless `decode`
     gives theirs (a deployment file's roles differ: SP-TP-SP prefill, an EP decode).
     `ems_controller`: join an existing EMS pool; otherwise start one with `ems_servers`
     MP servers, owned by the returned client (its shutdown() stops it). `ray_address`: place
-    the instances and the EMS processes as actors on that Ray cluster instead of here."""
+    the instances and the EMS processes as actors on that Ray cluster instead of here.
+    `ems_replicas`: copies of each object in the stack's namespaces (KV pages, model cache)."""
     if prefill_instances < 1 or decode_instances < 1:
         raise ValueError("a PDC stack needs at least one prefill and one decode instance")
     cluster, root = None, None
@@ -56,6 +73,14 @@ def start_pdc(base: EngineConfig, prefill_instances: int = 1, decode_instances: 
             shutil.rmtree(root, ignore_errors=True)
 
     kv = KVTransferConfig(connector="ems", ems_controller=ems_controller, ems_namespace=base.kv_transfer.ems_namespace)
+    if ems_replicas != 1:
+        try:
+            from matrixinfer.ems.model_cache import MODEL_NAMESPACE
+
+            define_namespaces(ems_controller, [kv.ems_namespace, MODEL_NAMESPACE], ems_replicas)
+        except BaseException:
+            stop_cluster()
+            raise
     cfg = replace(base, kv_transfer=kv)
     # Prefill instances never run a decode step (they hand off after the first token): they
     # compile their prefill steps only. An SP-TP-SP prefill layout is the prefill role's (and

@@ -27,7 +27,7 @@ def _serve(args) -> int:
         args.colocated = dep.colocated
         if not dep.colocated:
             args.prefill_instances, args.decode_instances = dep.prefill.instances, dep.decode.instances
-            args.ems_servers = max(1, dep.ems_servers)
+            args.ems_servers, args.ems_replicas = max(1, dep.ems_servers), dep.ems_replicas
     else:
         config = EngineConfig.from_cli(args)
         roles = {"prefill": config, "decode": config}
@@ -39,7 +39,7 @@ def _serve(args) -> int:
 
         engine = start_pdc(roles["prefill"], args.prefill_instances, args.decode_instances, args.ems_servers,
                            args.ems_controller, args.router, args.served_model_name, ray_address=args.ray_address,
-                           decode=roles["decode"])
+                           decode=roles["decode"], ems_replicas=args.ems_replicas)
         layouts = {"prefill": engine.prefill[0].config, "decode": engine.decode[0].config}
         print(f"matrixinfer: PDC stack: {args.prefill_instances} prefill + {args.decode_instances} decode instance(s), "
               f"KV hand-off through EMS ({args.ems_controller or f'{args.ems_servers} local MP server(s)'}), "
@@ -145,6 +145,9 @@ def register(sub, bench_sub) -> None:
     s.add_argument("--decode-instances", type=int, default=1)
     s.add_argument("--ems-servers", type=int, default=1,
                    help="EMS MP servers to start for the KV hand-off (ignored with --ems-controller)")
+    s.add_argument("--ems-replicas", type=int, default=1,
+                   help="copies of each object of the stack's EMS namespaces (KV, model cache) on distinct MP "
+                        "servers: with 2, a dead server costs no cache miss")
     s.add_argument("--ray-address", default=None,
                    help="auto or HOST:PORT: place the instances and EMS servers as actors on that Ray cluster")
     s.add_argument("--router", default="least-loaded", choices=["least-loaded", "locality", "round-robin"],

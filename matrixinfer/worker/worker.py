@@ -177,12 +177,12 @@ class Worker:
             return load_model(self.config.model, dtype=self.config.dtype, device=self.device,
                               expert_ids=self.expert_ids())
         from matrixinfer.ems.client import EMSClient
-        from matrixinfer.ems.model_cache import ModelCache, ThrottledSource
+        from matrixinfer.ems.model_cache import MODEL_NAMESPACE, ModelCache, ThrottledSource
 
         if not self.config.kv_transfer.ems_controller:
             raise ValueError("load_format ems needs an EMS controller (--ems-controller / kv_transfer_config)")
         source = ThrottledSource(self.config.model, self.config.model_source_mbps * 1e6)
-        with EMSClient(self.config.kv_transfer.ems_controller, namespace="models") as client:
+        with EMSClient(self.config.kv_transfer.ems_controller, namespace=MODEL_NAMESPACE) as client:
             cache = ModelCache(client, source, model_name=str(self.config.model))
             try:
                 tensors, self.load_report = cache.load()

@@ -25,7 +25,9 @@ def test_every_subcommand_is_registered_with_a_function():
     register(sub, bench)
     for argv in (["ems", "controller"], ["ems", "server", "--controller", "h:1", "--ssd-dir", "d"],
                  ["ems", "model-load", "--model", "d", "--direct"], ["ems", "source", "--model", "d"],
-                 ["ems", "stats", "--controller", "h:1"], ["bench", "ems", "--quick"]):
+                 ["ems", "stats", "--controller", "h:1"], ["ems", "ns-create", "--controller", "h:1", "--name", "n"],
+                 ["ems", "ns-list", "--controller", "h:1"], ["bench", "ems", "--quick"],
+                 ["bench", "ems", "--replicas", "2"]):
         assert callable(parser.parse_args(argv).func)
 
 
@@ -42,3 +44,26 @@ def test_the_matrixinfer_command_has_the_ems_subcommands():
     """`matrixinfer ems server --help` works through the top-level CLI (registration)."""
     p = subprocess.run([sys.executable, "-m", "matrixinfer.cli", "ems", "server", "--help"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "--dram-bytes" in p.stdout
+
+
+@pytest.mark.timeout(60)
+def test_ns_create_sets_replicas_and_quotas_that_ns_list_shows(tmp_path, request):
+    """`ems ns-create --replicas 2 --dram-bytes 64M` against a real controller; `ems ns-list`
+    prints the namespace with them; a bad count exits non-zero with the controller's reason."""
+    import json
+
+    from matrixinfer.ems import LocalCluster
+
+    cl = LocalCluster(n_servers=0, root=str(tmp_path))
+    request.addfinalizer(cl.close)
+    cl.start()
+    ems = [sys.executable, "-m", "matrixinfer.ems"]
+    out = subprocess.run([*ems, "ns-create", "--controller", cl.controller, "--name", "kv", "--replicas", "2",
+                          "--dram-bytes", "64M"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and json.loads(out.stdout) == {"name": "kv", "created": True, "replicas": 2}
+    listed = json.loads(subprocess.run([*ems, "ns-list", "--controller", cl.controller], capture_output=True,
+                                       text=True, timeout=30).stdout)
+    assert (listed["kv"]["replicas"], listed["kv"]["dram_bytes"]) == (2, 64 << 20)
+    bad = subprocess.run([*ems, "ns-create", "--controller", cl.controller, "--name", "kv", "--replicas", "0"],
+                         capture_output=True, text=True, timeout=30)
+    assert bad.returncode != 0 and "replicas" in bad.stderr

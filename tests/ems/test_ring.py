@@ -57,3 +57,17 @@ def test_share_is_the_fraction_of_keys_a_server_owns():
     for s in ring.servers:
         assert abs(counts[s] / len(KEYS) - ring.share(s)) < 0.02  # binomial sd ~0.0033
     assert HashRing(["only"]).share("only") == 1.0 and HashRing().share("x") == 0.0
+
+
+def test_replica_holders_are_the_next_distinct_servers_and_survivors_keep_their_keys():
+    """lookup_n gives the owner then distinct successors; removing a holder keeps the other
+    holder of each of its keys in the list (so a read of that copy still finds it)."""
+    ring = HashRing([f"s{i}" for i in range(4)])
+    before = {k: ring.lookup_n(k, 2) for k in KEYS[:2000]}
+    assert all(len(set(h)) == 2 and h[0] == ring.lookup(k) for k, h in before.items())
+    assert ring.lookup_n("k", 9) and len(ring.lookup_n("k", 9)) == 4
+    ring.remove("s1")
+    for k, h in before.items():
+        after = ring.lookup_n(k, 2)
+        assert [s for s in h if s != "s1"] == [s for s in after if s in h]
+    assert HashRing().lookup_n("k", 2) == []
