@@ -352,8 +352,6 @@ class EngineConfig:
             else:
                 raise TypeError(f"unknown engine argument {key!r}")
         cfg.parallel.apply_prefill_parallel()
-        if cfg.parallel.expert_parallel_size > 1 and "enable_prefix_caching" not in kwargs:
-            cfg.cache.enable_prefix_caching = False  # a cached block lives on the rank that wrote it
         cfg.validate()
         return cfg
 
@@ -449,9 +447,6 @@ class EngineConfig:
                 raise ValueError("dedicated shared experts need 1 <= shared_expert_ranks < expert_parallel_size")
             if par.num_redundant_experts or par.eplb_interval:
                 raise ValueError("EPLB with dedicated shared-expert ranks is not built yet")
-        if self.cache.enable_prefix_caching:
-            raise ValueError("prefix caching with expert_parallel_size > 1 is not supported: each rank holds the "
-                             "KV of its own requests, so a cached block is on one rank only")
         if self.speculative.method is not None:
             raise ValueError("speculative decoding with expert_parallel_size > 1 is not built yet")
 
@@ -597,7 +592,7 @@ class EngineConfig:
                   num_scheduler_steps=getattr(args, "num_scheduler_steps", None),
                   distributed_executor_backend=args.distributed_executor_backend, kv_transfer_config=kv,
                   load_format=args.load_format, model_source_mbps=args.model_source_mbps)
-        if args.no_prefix_caching:  # on by default, off by default with expert parallelism
+        if args.no_prefix_caching:  # on by default
             kw["enable_prefix_caching"] = False
         if getattr(args, "enforce_eager", None):
             kw["enforce_eager"] = True

@@ -9,7 +9,7 @@ from matrixinfer.config import DEFAULT_MODEL, EngineConfig
 from matrixinfer.deployment import load_deployment
 
 
-def test_expert_parallel_flags_build_an_ep_config_without_prefix_caching():
+def test_expert_parallel_flags_build_an_ep_config_with_prefix_caching():
     import argparse
 
     p = argparse.ArgumentParser()
@@ -20,7 +20,7 @@ def test_expert_parallel_flags_build_an_ep_config_without_prefix_caching():
     par = cfg.parallel
     assert (par.world_size, par.dispatch_dtype, par.microbatches, par.num_redundant_experts, par.eplb_interval) == (
         4, "int8", 2, 2, 50)
-    assert not cfg.cache.enable_prefix_caching  # each rank holds only its own requests' KV
+    assert cfg.cache.enable_prefix_caching  # a hit is placed on the rank holding its blocks (worker/data_parallel.py)
 
 
 def test_keywords_land_in_their_sections():
@@ -50,7 +50,6 @@ def test_which_steps_compile():
     ({"kv_transfer_config": {"connector": "redis"}}, "unknown kv connector"),
     ({"kv_transfer_config": {"connector": "ems"}}, "ems_controller"),
     ({"tensor_parallel_size": 2, "distributed_executor_backend": "uni"}, "in-process executor runs one rank"),
-    ({"expert_parallel_size": 2, "enable_prefix_caching": True}, "prefix caching with expert_parallel_size"),
     ({"expert_parallel_size": 2, "dispatch_dtype": "fp8"}, "unknown dispatch_dtype"),
     ({"microbatches": 2}, "need expert_parallel_size > 1"),
     ({"expert_parallel_size": 2, "microbatches": 3}, "1 or 2"),

@@ -137,16 +137,18 @@ class MatrixinferRun(NamedTuple):
 def run_matrixinfer(model_dir, dtype, prompts, output_len, profile: bool, enforce_eager: bool = False,
                     per_request_tpot: bool = False, warm_prompts: list[list[int]] | None = None,
                     compile_prefill: bool = True, max_num_seqs: int = 64,
-                    max_num_batched_tokens: int = 2048, batch_invariant: bool = False) -> MatrixinferRun:
+                    max_num_batched_tokens: int = 2048, batch_invariant: bool = False, llm=None) -> MatrixinferRun:
     """Our engine on prompts after a warm-up generation of the same shape, as the peers get:
     warm_prompts, by default each prompt reversed (other ids, so no prefix-cache hit). The
-    engine's limits (raised to fit the requests) size its compile warm-up, as `serve`'s do."""
+    engine's limits (raised to fit the requests) size its compile warm-up, as `serve`'s do.
+    llm: an engine to run on instead of a new one (the caller's limits)."""
     from matrixinfer import LLM, SamplingParams
     from matrixinfer.engine.sampling_params import RequestOutputKind
 
-    llm = LLM(model=model_dir, dtype=dtype, max_num_seqs=max(max_num_seqs, len(prompts)),
-              max_num_batched_tokens=max(max_num_batched_tokens, len(prompts[0]) * 4), enforce_eager=enforce_eager,
-              compile_prefill=compile_prefill, batch_invariant=batch_invariant)
+    if llm is None:
+        llm = LLM(model=model_dir, dtype=dtype, max_num_seqs=max(max_num_seqs, len(prompts)),
+                  max_num_batched_tokens=max(max_num_batched_tokens, len(prompts[0]) * 4),
+                  enforce_eager=enforce_eager, compile_prefill=compile_prefill, batch_invariant=batch_invariant)
     # one output per request when it finishes, as LLM.generate asks (and transformers returns)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True,
                             output_kind=RequestOutputKind.FINAL_ONLY)
@@ -158,7 +160,8 @@ def run_matrixinfer(model_dir, dtype, prompts, output_len, profile: bool, enforc
     decode_times, top_ops, tokens = [], [], {}
     first, last = {}, {}  # per_request_tpot: when each request's first and last tokens came out
     start, prefill_s = time.perf_counter(), float("nan")
-    desc = ("matrixinfer eager" if enforce_eager else "matrixinfer") + (" batch-invariant" if batch_invariant else "")
+    desc = ("matrixinfer eager" if enforce_eager else "matrixinfer") + \
+        (" batch-invariant" if llm.engine.config.batch_invariant else "")
     with tqdm(total=output_len, desc=desc, unit="step") as bar:  # about one step per output token
         while engine.has_unfinished_requests():
             running = len(engine.scheduler.running)

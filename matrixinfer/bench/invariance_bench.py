@@ -52,36 +52,48 @@ def _solo_equal(llm, prompts: list[list[int]], tokens: list[list[int]], output_l
     return same / len(prompts)
 
 
-def run(model_dir: str, requests: int, input_len: int, output_len: int, dtype: str, threads: int,
-        repeats: int = 3, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048) -> InvarianceResult:
-    """Both modes `repeats` times, interleaved; medians. The solo check runs on the last
-    engine of each mode."""
+def run(model_dir: str, requests: list[int], input_len: int, output_len: int, dtype: str, threads: int,
+        repeats: int = 3, max_num_batched_tokens: int = 2048) -> list[InvarianceResult]:
+    """One engine per mode (compiled once, both in this process), each request count run by
+    both `repeats` times, interleaved; medians. The solo check runs after the last round."""
     torch.set_num_threads(threads)
+    from matrixinfer import LLM
     from matrixinfer.config import ModelConfig
 
     cfg = ModelConfig.from_pretrained(model_dir)
-    prompts = _requests(requests, input_len, cfg.vocab_size)
-    warm = _requests(requests, input_len, cfg.vocab_size, seed=1)
-    limits = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, warm_prompts=warm)
-    runs = {False: [], True: []}
-    solo = {}
-    for i in range(repeats):
-        for invariant in (False, True):
-            mi = run_matrixinfer(model_dir, dtype, prompts, output_len, False, batch_invariant=invariant, **limits)
-            runs[invariant].append((mi.seconds, mi.decode_step_s, mi.prefill_s))
-            if i == repeats - 1:
-                label = "batch-invariant" if invariant else "default"
-                solo[invariant] = _solo_equal(mi.llm, prompts, mi.tokens, output_len, label)
-            mi.llm.shutdown()
-    med = {k: [_median([r[j] for r in v]) for j in range(3)] for k, v in runs.items()}
-    n_out = requests * output_len
-    return InvarianceResult(
-        model=_display_path(model_dir), dtype=dtype, threads=threads, requests=requests, input_len=input_len,
-        output_len=output_len, default_tokens_per_s=n_out / med[False][0], invariant_tokens_per_s=n_out / med[True][0],
-        default_step_ms=med[False][1] * 1e3, invariant_step_ms=med[True][1] * 1e3,
-        step_ratio=med[True][1] / med[False][1], default_prefill_ms=med[False][2] * 1e3,
-        invariant_prefill_ms=med[True][2] * 1e3, default_solo_equal=solo[False], invariant_solo_equal=solo[True],
-        repeats=repeats, cpu=cpu_info())
+    limits = dict(max_num_seqs=max(requests), max_num_batched_tokens=max(max_num_batched_tokens, input_len * 4))
+    llms = {invariant: LLM(model=model_dir, dtype=dtype, batch_invariant=invariant, **limits)
+            for invariant in (False, True)}
+    results = []
+    try:
+        for n in requests:
+            prompts = _requests(n, input_len, cfg.vocab_size)
+            warm = _requests(n, input_len, cfg.vocab_size, seed=1)
+            runs, solo = {False: [], True: []}, {}
+            for i in range(repeats):
+                for invariant, llm in llms.items():
+                    mi = run_matrixinfer(model_dir, dtype, prompts, output_len, False, warm_prompts=warm, llm=llm)
+                    runs[invariant].append((mi.seconds, mi.decode_step_s, mi.prefill_s))
+                    if i == repeats - 1:
+                        label = "batch-invariant" if invariant else "default"
+                        solo[invariant] = _solo_equal(llm, prompts, mi.tokens, output_len, label)
+            med = {k: [_median([r[j] for r in v]) for j in range(3)] for k, v in runs.items()}
+            n_out = n * output_len
+            results.append(InvarianceResult(
+                model=_display_path(model_dir), dtype=dtype, threads=threads, requests=n, input_len=input_len,
+                output_len=output_len, default_tokens_per_s=n_out / med[False][0],
+                invariant_tokens_per_s=n_out / med[True][0], default_step_ms=med[False][1] * 1e3,
+                invariant_step_ms=med[True][1] * 1e3, step_ratio=med[True][1] / med[False][1],
+                default_prefill_ms=med[False][2] * 1e3, invariant_prefill_ms=med[True][2] * 1e3,
+                default_solo_equal=solo[False], invariant_solo_equal=solo[True], repeats=repeats, cpu=cpu_info()))
+            r = results[-1]
+            print(f"{n} requests, {input_len}+{output_len}, {dtype}: step {r.default_step_ms:.2f} -> "
+                  f"{r.invariant_step_ms:.2f} ms ({r.step_ratio:.2f}x), batch = solo {100 * r.default_solo_equal:.0f} "
+                  f"% -> {100 * r.invariant_solo_equal:.0f} %", flush=True)
+    finally:
+        for llm in llms.values():
+            llm.shutdown()
+    return results
 
 
 def report(results: list[InvarianceResult], name: str) -> None:
@@ -133,13 +145,8 @@ def main(args) -> int:
     name = "batch-invariant" if args.name == "engine" else args.name
     results = []
     for input_len, output_len in zip(args.input_len, args.output_len):
-        for n in args.requests:
-            results.append(run(args.model, n, input_len, output_len, args.dtype, args.threads, args.repeats,
-                               args.max_num_seqs, args.max_num_batched_tokens))
-            r = results[-1]
-            print(f"{n} requests, {input_len}+{output_len}, {args.dtype}: step {r.default_step_ms:.2f} -> "
-                  f"{r.invariant_step_ms:.2f} ms ({r.step_ratio:.2f}x), batch = solo {100 * r.default_solo_equal:.0f} "
-                  f"% -> {100 * r.invariant_solo_equal:.0f} %", flush=True)
+        results += run(args.model, args.requests, input_len, output_len, args.dtype, args.threads, args.repeats,
+                       args.max_num_batched_tokens)
     if not args.no_write:
         report(results, name)
     if args.json:

@@ -10,8 +10,12 @@ on a tie) and stays there until it finishes (sticky: its KV is there).
 KV cache: every rank allocates the same pool and the scheduler's block ids mean the same slots
 on every rank, but a rank only writes and reads the blocks of its own requests. Simple and
 exact; the cost is memory: each rank holds a pool as large as the whole instance's, used at
-about 1/ep (a per-rank block pool in the scheduler would remove that). For the same reason
-prefix caching is off with expert parallelism: a cached block lives on the rank that wrote it.
+about 1/ep (a per-rank block pool in the scheduler would remove that). Prefix caching works:
+a cached block lives on the rank that wrote it, so a request that starts with a prefix hit is
+placed on the rank that wrote its first block (every rank keeps the same block -> writer map
+from the same scheduler outputs), as SGLang's data-parallel router sends a request to the
+replica holding its prefix. The blocks a prefix shares stay on one rank: a hot prefix loads
+that rank more (least-loaded placement still spreads requests without a hit).
 The EMS KV connector works: loads go into every rank's pool (only the owner reads them: the
 cost is ep x the load traffic), and each replica saves the blocks of its own requests.
 
@@ -32,11 +36,13 @@ from matrixinfer.worker.model_runner import ModelRunner, StepOutput
 
 
 class RequestPlacement:
-    """Sticky, least-loaded assignment of requests to `size` data-parallel ranks."""
+    """Sticky assignment of requests to `size` data-parallel ranks: a request that starts from
+    cached blocks to the rank that wrote them, any other to the least-loaded rank."""
 
     def __init__(self, size: int):
         self.owner: dict[str, int] = {}
         self.live = [0] * size
+        self.writer: dict[int, int] = {}  # KV block id -> the rank whose pool holds its latents
 
     def finish(self, request_ids) -> None:
         for rid in request_ids:
@@ -45,12 +51,16 @@ class RequestPlacement:
                 self.live[rank] -= 1
 
     def place(self, reqs: list[ScheduledRequest]) -> list[int]:
-        """The owner rank of each request (new ones placed now)."""
+        """The owner rank of each request (new ones placed now); the blocks each one's table
+        holds are its owner's from here on (it reads or writes them there)."""
         for r in reqs:
             if r.request_id not in self.owner:
-                rank = min(range(len(self.live)), key=self.live.__getitem__)
+                cached = r.start_pos > 0 and r.block_table and r.block_table[0] in self.writer
+                rank = self.writer[r.block_table[0]] if cached else min(range(len(self.live)), key=self.live.__getitem__)
                 self.owner[r.request_id] = rank
                 self.live[rank] += 1
+            for b in r.block_table:
+                self.writer[b] = self.owner[r.request_id]
         return [self.owner[r.request_id] for r in reqs]
 
 

@@ -39,6 +39,26 @@ def _check_identical(path, ep: int, tp: int = 1, **eplb) -> None:
 
 
 @pytest.mark.slow
+def test_ep2_with_prefix_caching_finds_the_cached_blocks_where_the_request_runs():
+    """Prefix caching under EP: requests that share a long prefix hit the cache (the scheduler
+    counts the hits) and are placed on the rank that wrote those blocks, so their greedy tokens
+    equal one process's; requests without a hit still spread over both ranks."""
+    kw = dict(KW, enable_prefix_caching=True)
+    single = LLM(model=DEFAULT_MODEL, **kw)
+    shared = list(range(20, 60))  # 40 tokens: 10 blocks of 4
+    as_prompts = lambda ids: [{"prompt_token_ids": p} for p in ids]  # noqa: E731
+    first = as_prompts([[*shared, 7, 8, 9], list(range(100, 130))])
+    later = as_prompts([[*shared, 11, 12], [*shared, 13], list(range(140, 170))])
+    want = ranks.tokens(single, first, GREEDY), ranks.tokens(single, later, GREEDY)
+    with LLM(model=DEFAULT_MODEL, expert_parallel_size=2, dispatch_dtype="float32", **kw) as llm:
+        got_first = ranks.tokens(llm, first, GREEDY)
+        hits = llm.engine.scheduler.kv.prefix_hits
+        got_later = ranks.tokens(llm, later, GREEDY)
+        assert llm.engine.scheduler.kv.prefix_hits - hits >= 2 * 36  # both shared-prefix requests hit (whole blocks)
+    assert (got_first, got_later) == want
+
+
+@pytest.mark.slow
 def test_ep2_float32_dispatch_is_token_identical_on_the_bundled_model():
     _check_identical(DEFAULT_MODEL, 2)
 
