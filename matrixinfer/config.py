@@ -445,8 +445,6 @@ class EngineConfig:
         if par.shared_expert_placement == "dedicated":
             if not 1 <= par.shared_expert_ranks < par.expert_parallel_size:
                 raise ValueError("dedicated shared experts need 1 <= shared_expert_ranks < expert_parallel_size")
-            if par.num_redundant_experts or par.eplb_interval:
-                raise ValueError("EPLB with dedicated shared-expert ranks is not built yet")
         if self.speculative.method is not None:
             raise ValueError("speculative decoding with expert_parallel_size > 1 is not built yet")
 

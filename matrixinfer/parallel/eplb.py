@@ -20,6 +20,7 @@ requests in flight only see identical weights in other places: outputs do not ch
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -152,7 +153,7 @@ def move_experts(experts, old: Placement, new: Placement, group: ParallelGroup) 
               if new.phy2log[p] not in held[r]] for r in range(size)]
     for name, param in list(experts.named_parameters(recurse=False)):
         data = param.data
-        flat = data.reshape(data.shape[0], -1)
+        flat = data.reshape(data.shape[0], math.prod(data.shape[1:]))  # no -1: a shared rank holds 0 slots
         fresh = data.new_empty((len(new_ranks[me]),) + tuple(data.shape[1:]))
         for s, p in enumerate(new_ranks[me]):
             e = new.phy2log[p]
@@ -180,21 +181,33 @@ def move_experts(experts, old: Placement, new: Placement, group: ParallelGroup) 
         experts.quant_method.pack_small_mm(experts)
 
 
+def on_ranks(placement: Placement, size: int) -> Placement:
+    """A placement over the first ranks of a group of `size`, the others holding no routed
+    expert (dedicated shared-expert ranks: they take part in the weight moves with nothing)."""
+    return Placement(placement.phy2log, placement.slots + [0] * (size - len(placement.slots)), placement.logcnt)
+
+
 class ExpertBalancer:
     """Counts logical-expert tokens per MoE layer over a sliding window and rebalances every
-    `interval` steps (interval 0: place once from the static partition, never move)."""
+    `interval` steps (interval 0: place once from the static partition, never move). The
+    routed experts live on the group's first `routed_ranks` ranks (all of them by default; the
+    rest are dedicated shared-expert ranks)."""
 
     def __init__(self, moe_layers: list, group: ParallelGroup, num_redundant: int, interval: int, window: int,
-                 device):
+                 device, routed_ranks: int | None = None):
         self.layers, self.group, self.interval = moe_layers, group, interval
         self.num_redundant, self.device = num_redundant, device
+        self.routed = group.size if routed_ranks is None else routed_ranks
         n = moe_layers[0].experts.num_experts
         self.window = torch.zeros(window, len(moe_layers), n, dtype=torch.long, device=device)
         self.steps = 0
-        self.placements = [static_placement(n, group.size) for _ in moe_layers]
+        self.placements = [on_ranks(static_placement(n, self.routed), group.size) for _ in moe_layers]
         self.moves = 0
         # the starting placement: uniform load, R replicas spread over the lowest experts
-        self._apply([rebalance([1.0] * n, group.size, num_redundant) for _ in moe_layers])
+        self._apply([self._rebalance([1.0] * n) for _ in moe_layers])
+
+    def _rebalance(self, load: list[float]) -> Placement:
+        return on_ranks(rebalance(load, self.routed, self.num_redundant), self.group.size)
 
     def end_step(self) -> None:
         """Called by every rank after each step: this step's counts enter the window (the
@@ -207,7 +220,7 @@ class ExpertBalancer:
         if self.interval and self.steps % self.interval == 0:
             load = self.group.all_reduce(self.window.sum(0))
             # a layer that saw no tokens in the window keeps its placement
-            self._apply([rebalance(row.tolist(), self.group.size, self.num_redundant) if row.any() else old
+            self._apply([self._rebalance(row.tolist()) if row.any() else old
                          for row, old in zip(load, self.placements)])
 
     def _apply(self, placements: list[Placement]) -> None:

@@ -144,7 +144,7 @@ class Worker:
 
             moes = [layer.mlp for layer in self.model.model.layers if isinstance(layer.mlp, MoE)]
             balancer = ExpertBalancer(moes, group, par.num_redundant_experts, par.eplb_interval, par.eplb_window,
-                                      self.device)
+                                      self.device, routed_ranks=self.routed_ranks())
         return DataParallelRunner(self.model, self.num_blocks, block_size, self.device, group, dispatcher, balancer,
                                   par.microbatches)
 

@@ -88,6 +88,14 @@ def test_dedicated_shared_expert_rank_is_token_identical(uneven):
 
 
 @pytest.mark.slow
+def test_eplb_moves_routed_experts_among_the_routed_ranks_beside_a_dedicated_shared_rank(uneven):
+    """EP=3 with the shared experts on rank 2: EPLB places one redundant expert and rebalances
+    every step over ranks 0-1 only (rank 2 takes part in every weight move with nothing)."""
+    _check_identical(uneven, 3, shared_expert_placement="dedicated", num_redundant_experts=1, eplb_interval=1,
+                     eplb_window=4)
+
+
+@pytest.mark.slow
 def test_dedicated_shared_experts_compose_with_tp2(uneven):
     """Four processes: EP group t of replica 0 holds every routed expert's TP shard t, that of
     replica 1 the shared experts' TP shard t; partial sums meet in each replica's all-reduce."""
