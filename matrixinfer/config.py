@@ -433,8 +433,8 @@ class EngineConfig:
         if par.shared_expert_placement not in ("replicated", "dedicated"):
             raise ValueError(f"shared_expert_placement {par.shared_expert_placement!r}: replicated or dedicated")
         if par.sequence_parallel:
-            if par.num_redundant_experts or par.eplb_interval or par.shared_expert_placement != "replicated":
-                raise ValueError("EPLB and dedicated shared experts under prefill_parallel sp-tp-sp are not built")
+            if par.shared_expert_placement != "replicated":
+                raise ValueError("dedicated shared experts under prefill_parallel sp-tp-sp are not built")
             if self.speculative.method is not None:
                 raise ValueError("speculative decoding with prefill_parallel sp-tp-sp is not built yet")
             return

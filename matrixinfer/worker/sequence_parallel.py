@@ -32,10 +32,17 @@ from matrixinfer.worker.model_runner import ModelRunner, StepOutput
 
 class SequenceParallelRunner(ModelRunner):
     def __init__(self, model, num_blocks: int, block_size: int, device: torch.device, group: ParallelGroup,
-                 dispatcher: EPDispatcher, microbatches: int = 1):
+                 dispatcher: EPDispatcher, microbatches: int = 1, balancer=None):
         super().__init__(model, num_blocks, block_size, device)
         self.group, self.dispatcher, self.microbatches = group, dispatcher, microbatches
+        self.balancer = balancer  # EPLB over the SP group's experts (parallel/eplb.py), or None
         self.stats = SPStats()  # exchange waits and bytes of the attention redistributions
+
+    def execute_model(self, sched, skip=frozenset(), driver: bool = True):
+        out = super().execute_model(sched, skip, driver)
+        if self.balancer is not None:
+            self.balancer.end_step()  # every rank, every step: counts, and at times the experts move
+        return out
 
     @torch.inference_mode()
     def run_step(self, reqs: list[ScheduledRequest], num_decode: int) -> StepOutput:

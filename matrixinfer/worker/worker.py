@@ -121,8 +121,10 @@ class Worker:
             from matrixinfer.parallel import get_sp_group
             from matrixinfer.worker.sequence_parallel import SequenceParallelRunner
 
-            return SequenceParallelRunner(self.model, self.num_blocks, block_size, self.device, get_sp_group(),
-                                          self._dispatcher(get_sp_group()), par.microbatches)
+            group = get_sp_group()
+            dispatcher = self._dispatcher(group)
+            return SequenceParallelRunner(self.model, self.num_blocks, block_size, self.device, group, dispatcher,
+                                          par.microbatches, self._balancer(group))
         if self.config.parallel.expert_parallel_size == 1:
             compile_decode = self.config.compiles_decode
             runner = ModelRunner(self.model, self.num_blocks, block_size, self.device, compile_decode,
@@ -137,16 +139,21 @@ class Worker:
 
         group = get_ep_group()
         dispatcher = self._dispatcher(group)
-        balancer = None
-        if par.num_redundant_experts or par.eplb_interval:
-            from matrixinfer.model.moe import MoE
-            from matrixinfer.parallel.eplb import ExpertBalancer
+        return DataParallelRunner(self.model, self.num_blocks, block_size, self.device, group, dispatcher,
+                                  self._balancer(group), par.microbatches)
 
-            moes = [layer.mlp for layer in self.model.model.layers if isinstance(layer.mlp, MoE)]
-            balancer = ExpertBalancer(moes, group, par.num_redundant_experts, par.eplb_interval, par.eplb_window,
-                                      self.device, routed_ranks=self.routed_ranks())
-        return DataParallelRunner(self.model, self.num_blocks, block_size, self.device, group, dispatcher, balancer,
-                                  par.microbatches)
+    def _balancer(self, group):
+        """EPLB over the MoE layers' experts on `group` (the EP group; the SP group under
+        SP-TP-SP), where redundant experts or rebalancing are asked for; else None."""
+        par = self.config.parallel
+        if not (par.num_redundant_experts or par.eplb_interval):
+            return None
+        from matrixinfer.model.moe import MoE
+        from matrixinfer.parallel.eplb import ExpertBalancer
+
+        moes = [layer.mlp for layer in self.model.model.layers if isinstance(layer.mlp, MoE)]
+        return ExpertBalancer(moes, group, par.num_redundant_experts, par.eplb_interval, par.eplb_window,
+                              self.device, routed_ranks=self.routed_ranks())
 
     def _dispatcher(self, group):
         """The MoE's dispatch/combine over `group` (the EP group; the SP group under SP-TP-SP),

@@ -154,6 +154,12 @@ def test_llm_with_sp_tp_sp_prefill_is_token_identical_to_one_process():
 
 
 @pytest.mark.slow
+def test_sp_tp_sp_with_eplb_rebalancing_every_step_is_token_identical():
+    """The SP group's experts under EPLB: two redundant experts, rebalanced every step."""
+    _engine_identical(BUNDLED, 2, num_redundant_experts=2, eplb_interval=1, eplb_window=4)
+
+
+@pytest.mark.slow
 def test_llm_with_sp_tp_sp_and_two_microbatches_is_token_identical(tmp_path):
     make_checkpoint(tmp_path / "v3-qlora-yarn", "v3-qlora-yarn")
     _engine_identical(tmp_path / "v3-qlora-yarn", 2, microbatches=2)
@@ -167,7 +173,7 @@ def test_prefill_parallel_sets_the_instance_layout():
     tp = EngineConfig.from_kwargs("m", prefill_parallel="tp", prefill_parallel_size=2).parallel
     assert (tp.sequence_parallel, tp.world_size, tp.tensor_parallel_size) == (False, 2, 2)
     dp = EngineConfig.from_kwargs("m", prefill_parallel="dp", prefill_parallel_size=2)
-    assert (dp.parallel.expert_parallel_size, dp.cache.enable_prefix_caching) == (2, False)
+    assert (dp.parallel.expert_parallel_size, dp.cache.enable_prefix_caching) == (2, True)  # hits placed by writer rank
     with pytest.raises(ValueError):
         EngineConfig.from_kwargs("m", prefill_parallel="sp-tp-sp", prefill_parallel_size=2, tensor_parallel_size=2)
     with pytest.raises(ValueError):
