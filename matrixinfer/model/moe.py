@@ -63,7 +63,13 @@ class Router(nn.Module):
         ids = choice.topk(self.top_k, dim=-1, sorted=False)[1]
         weights = scores.gather(1, ids)
         if self.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+            if self.batch_invariant:  # the top_k added in order (layers/experts._weighted_sum says why)
+                total = weights[:, :1]
+                for j in range(1, weights.shape[1]):
+                    total = total + weights[:, j:j + 1]
+            else:
+                total = weights.sum(dim=-1, keepdim=True)
+            weights = weights / (total + 1e-20)
         return weights * self.scaling, ids
 
 

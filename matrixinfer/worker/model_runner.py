@@ -15,6 +15,7 @@ from matrixinfer.kernels import argmax_rows, load_cpu_ops, pack_small_mm, small_
 from matrixinfer.model import batch_invariant
 from matrixinfer.model.context import ForwardContext, forward_context
 from matrixinfer.model.deepseek import DeepseekForCausalLM
+from matrixinfer.model.layers import RMSNorm
 from matrixinfer.model.moe import Router
 from matrixinfer.worker.compiled_decode import MIN_TABLE_WIDTH, CompiledDecode, padded_batch
 from matrixinfer.worker.compiled_prefill import CompiledPrefill
@@ -30,6 +31,8 @@ def prepare_small_mm(model: DeepseekForCausalLM) -> None:
             module.quant_method.pack_small_mm(module)
         if isinstance(module, Router) and module.batch_invariant:
             module.weight_small_mm = pack_small_mm(module.weight, pad_outputs=True)
+        if isinstance(module, RMSNorm) and module.batch_invariant:
+            module.ones_small_mm = pack_small_mm(torch.ones(16, module.weight.shape[0], device=module.weight.device))
     for attn in model.attention_layers():
         attn.prepare_absorbed()
 

@@ -13,6 +13,7 @@ from matrixinfer.model.layers import (
     MergedReplicatedLinear,
     QuantizationConfig,
     ReplicatedLinear,
+    RMSNorm,
     RoutedExperts,
     RowParallelLinear,
     UnquantizedExpertsMethod,
@@ -348,3 +349,38 @@ def test_grouped_experts_pad_each_group_to_gemm_rows(monkeypatch):
         out = experts.quant_method.apply_grouped_mm(experts, xs, offs)
         ref = _grouped_swiglu(xs, experts.w13_weight, experts.w2_weight, offs)
     assert out.shape == ref.shape and torch.allclose(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_invariant_layers_give_a_row_the_same_bits_among_any_rows(dtype):
+    """The mode's RMSNorm and linear (model/batch_invariant.py): a row's output is bitwise the
+    same alone, among 5, 37 or 600 rows, at any place among them, eagerly and in compiled
+    graphs of static and dynamic shapes (a compiled reduction over the row otherwise picks its
+    lanes by the graph's shapes)."""
+    if not (load_cpu_ops() and small_mm_serves(dtype, torch.device("cpu"))):
+        pytest.skip("the CPU operators do not serve this dtype here")
+    from matrixinfer.kernels import pack_small_mm
+
+    torch.manual_seed(0)
+    norm, proj = RMSNorm(200), ReplicatedLinear(200, 300, params_dtype=dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(200) + 0.5)
+        proj.weight.normal_()
+    norm = norm.to(dtype)
+    norm.batch_invariant = proj.batch_invariant = True
+    norm.ones_small_mm = pack_small_mm(torch.ones(16, 200))
+    proj.quant_method.pack_small_mm(proj)
+    x = torch.randn(600, 200).to(dtype) * 3
+    torch._dynamo.reset()  # the other dtype's graphs count towards the frame's recompile limit
+    step = torch.inference_mode()(lambda rows: proj(norm(rows)))  # as the engine runs its steps
+    # each way of running against itself: compiled graphs round their fused work differently
+    # from eager (the mode makes each invariant, not the two equal)
+    for way, fn in (("eager", step), ("static", torch.compile(step, dynamic=False)),
+                    ("dynamic", torch.compile(step, dynamic=True))):
+        with torch.inference_mode():
+            alone = torch.cat([fn(x[i:i + 1]) for i in (0, 4, 36, 599)])
+            for n in (5, 37, 600):
+                got = fn(x[:n].roll(1, 0))  # row i at place i + 1
+                for j, i in enumerate((0, 4, 36, 599)):
+                    if i < n:
+                        assert torch.equal(got[(i + 1) % n], alone[j]), (way, n, i)

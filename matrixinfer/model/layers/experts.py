@@ -120,11 +120,11 @@ class RoutedExperts(nn.Module):
             return self._grouped(x, weights, ids, sync_free=True)
         if path == "small_mm":  # the operator buckets the pairs by expert itself
             y = self.quant_method.apply_small_mm(self, x.repeat_interleave(k, dim=0), self.local_index[ids.flatten()])
-            return _weighted_sum(y, weights)
+            return _weighted_sum(y, weights, self.batch_invariant)
         if path == "pairs":
             y = self.quant_method.apply_pairs(self, x, self.local_index[ids])
             if y is not None and self.batch_invariant:  # the grouped path's weighted sum (W8A8: equal pair outputs)
-                return _weighted_sum(y.flatten(0, 1), weights)
+                return _weighted_sum(y.flatten(0, 1), weights, True)
             if y is not None:
                 ct = gemm_dtype(x.dtype, x.device)
                 return torch.einsum("nk,nkh->nh", weights.to(ct), y.to(ct)).to(x.dtype)
@@ -132,7 +132,8 @@ class RoutedExperts(nn.Module):
             y = self.quant_method.apply_all(self, x)
             if y is not None and self.batch_invariant and not self.is_subset:  # each pair's row, summed as above
                 local = self.local_index[ids]
-                return _weighted_sum(y[local.flatten(), torch.arange(n, device=x.device).repeat_interleave(k)], weights)
+                return _weighted_sum(y[local.flatten(), torch.arange(n, device=x.device).repeat_interleave(k)], weights,
+                                     True)
             if y is not None:
                 n_local, local = len(self.expert_ids), self.local_index[ids]
                 combine = weights.new_zeros(n, n_local + 1)  # column n_local collects pairs held elsewhere
@@ -166,10 +167,18 @@ class RoutedExperts(nn.Module):
         # the 90 us this combine took at 32 tokens in a compiled step); a gather vectorises.
         unsort = torch.empty_like(order)
         unsort[order] = torch.arange(order.numel(), device=x.device)
-        return _weighted_sum(y[unsort], weights)
+        return _weighted_sum(y[unsort], weights, self.batch_invariant)
 
 
-def _weighted_sum(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def _weighted_sum(y: torch.Tensor, weights: torch.Tensor, in_order: bool = False) -> torch.Tensor:
     """y [N * top_k, H], rows in pair order (token-major), weights [N, top_k] -> [N, H]: each
-    token's rows weighted and summed, as one elementwise-and-reduce the compiler fuses."""
-    return (y.view(*weights.shape, y.shape[-1]) * weights[..., None].to(y.dtype)).sum(1)
+    token's rows weighted and summed, as one elementwise-and-reduce the compiler fuses.
+    in_order (batch-invariant mode): the top_k terms added one after another, an order no
+    graph's shapes can change (a compiled reduction picks its own)."""
+    terms = y.view(*weights.shape, y.shape[-1]) * weights[..., None].to(y.dtype)
+    if not in_order:
+        return terms.sum(1)
+    out = terms[:, 0]
+    for j in range(1, terms.shape[1]):
+        out = out + terms[:, j]
+    return out
