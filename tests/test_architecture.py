@@ -1,0 +1,74 @@
+"""The package's import graph keeps its drawing (grimp reads it from the source, every import
+statement, function-level ones too): no module takes part in an import circle, and the floors
+of a request's path import only downward, serving -> pdc -> frontend -> engine -> executor ->
+worker -> model -> kernels. The one exception left is listed: the engine's step messages
+(SchedulerOutput, SamplingParams, Logprob) and its block name (the EMS page key the KV
+connector shares) are read from below until they move to a module of the boundary under the
+engine (issue 52)."""
+
+import grimp
+import pytest
+
+FLOORS = ["matrixinfer.serving", "matrixinfer.pdc", "matrixinfer.frontend", "matrixinfer.engine",
+          "matrixinfer.executor", "matrixinfer.worker", "matrixinfer.model", "matrixinfer.kernels"]
+STEP_MESSAGES = {"matrixinfer.engine.scheduler", "matrixinfer.engine.sampling_params", "matrixinfer.engine.request",
+                 "matrixinfer.engine.block_hash"}
+
+
+def _circles(graph: grimp.ImportGraph) -> list[list[str]]:
+    """Modules that reach themselves through imports, one list per strongly connected set
+    (Tarjan's algorithm over the direct imports), largest first."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.find_modules_directly_imported_by(v):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                part.append(w)
+                if w == v:
+                    break
+            if len(part) > 1:
+                out.append(sorted(part))
+
+    for m in sorted(graph.modules):
+        if m not in index:
+            visit(m)
+    return sorted(out, key=len, reverse=True)
+
+
+@pytest.mark.xfail(strict=True, reason="one circle left: quant/bench <-> quant/cli (quant/bench.py moves to bench/, "
+                                       "issue 52); strict, so this marker must go when it does")
+def test_no_module_is_in_an_import_circle():
+    circles = _circles(grimp.build_graph("matrixinfer"))
+    assert not circles, "import circles: " + "; ".join(" <-> ".join(c) for c in circles)
+
+
+def test_the_request_path_imports_downward_only():
+    graph = grimp.build_graph("matrixinfer")
+    for importer in sorted(graph.modules):
+        if not importer.startswith("matrixinfer.engine"):
+            for imported in STEP_MESSAGES & graph.find_modules_directly_imported_by(importer):
+                graph.remove_import(importer=importer, imported=imported)
+    upward = graph.find_illegal_dependencies_for_layers(layers=FLOORS, containers=set())
+    assert not upward, "upward imports: " + "; ".join(
+        f"{d.importer} -> {d.imported} (via {sorted(r.heads)} -> {sorted(r.tails)})" for d in upward for r in d.routes)
+
+
+def test_the_check_finds_a_circle_and_an_upward_import():
+    """The checks can fail: a made-up circle and an upward arrow are found."""
+    graph = grimp.build_graph("matrixinfer")
+    graph.add_import(importer="matrixinfer.kernels", imported="matrixinfer.serving.api_server")
+    assert graph.find_illegal_dependencies_for_layers(layers=FLOORS, containers=set())
+    graph.add_import(importer="matrixinfer.model.context", imported="matrixinfer.model.deepseek")
+    assert any("matrixinfer.model.context" in c for c in _circles(graph))
