@@ -25,6 +25,7 @@ engines of one process can run different modes.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 
@@ -34,3 +35,12 @@ def enable(model: nn.Module) -> None:
     for module in model.modules():
         if hasattr(type(module), "batch_invariant"):
             module.batch_invariant = True
+
+
+def sum_in_order(t: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
+    """t summed over `dim` (a few terms: the top-k) one term after another, an order no compiled
+    graph's shapes can change (a compiled reduction picks its own)."""
+    out = t.select(dim, 0)
+    for j in range(1, t.shape[dim]):
+        out = out + t.select(dim, j)
+    return out.unsqueeze(dim) if keepdim else out

@@ -17,6 +17,7 @@ from torch import nn
 
 from matrixinfer.config import ModelConfig
 from matrixinfer.kernels import small_mm
+from matrixinfer.model.batch_invariant import sum_in_order
 from matrixinfer.model.layers import MLP, QuantizationConfig, RoutedExperts
 from matrixinfer.parallel.ep_comm import get_dispatcher
 from matrixinfer.parallel.state import tp_all_reduce
@@ -63,12 +64,8 @@ class Router(nn.Module):
         ids = choice.topk(self.top_k, dim=-1, sorted=False)[1]
         weights = scores.gather(1, ids)
         if self.norm_topk_prob:
-            if self.batch_invariant:  # the top_k added in order (layers/experts._weighted_sum says why)
-                total = weights[:, :1]
-                for j in range(1, weights.shape[1]):
-                    total = total + weights[:, j:j + 1]
-            else:
-                total = weights.sum(dim=-1, keepdim=True)
+            total = (sum_in_order(weights, -1, keepdim=True) if self.batch_invariant
+                     else weights.sum(dim=-1, keepdim=True))
             weights = weights / (total + 1e-20)
         return weights * self.scaling, ids
 

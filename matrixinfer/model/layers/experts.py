@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from matrixinfer.kernels import AVX512, cpu_ops_serve, gemm_dtype
+from matrixinfer.model.batch_invariant import sum_in_order
 from matrixinfer.model.layers.linear import copy_shard
 from matrixinfer.model.layers.quantization import UNQUANTIZED, QuantizationConfig
 from matrixinfer.parallel.state import get_tp_rank, get_tp_size
@@ -176,9 +177,4 @@ def _weighted_sum(y: torch.Tensor, weights: torch.Tensor, in_order: bool = False
     in_order (batch-invariant mode): the top_k terms added one after another, an order no
     graph's shapes can change (a compiled reduction picks its own)."""
     terms = y.view(*weights.shape, y.shape[-1]) * weights[..., None].to(y.dtype)
-    if not in_order:
-        return terms.sum(1)
-    out = terms[:, 0]
-    for j in range(1, terms.shape[1]):
-        out = out + terms[:, j]
-    return out
+    return sum_in_order(terms, 1) if in_order else terms.sum(1)
