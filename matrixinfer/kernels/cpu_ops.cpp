@@ -641,3 +641,131 @@ extern "C" AOTITorchError aoti_torch_cpu_grouped_mm(AtenTensorHandle a, AtenTens
                                          *tensor_handle_to_tensor_pointer(offs)));
   });
 }
+
+// fp8_block_mm: y[p] = dequant(w[e(p)]) @ x[p] for weights stored as float8_e4m3fn with one float32
+// scale per block of block_n x block_k weights (DeepSeek-V3's release format, `weight_scale_inv`),
+// dequantized here block by block and never as a whole matrix. w [E, N, K] (or [N, K]: one
+// matrix, experts none), scale [E, RB, KB], row_block [N] int32: the scale row of each output row
+// (merged projections and tensor-parallel shards do not start on a block edge, so the row -> block
+// map is explicit), k_shift: the column block grid's offset (an input-split shard starts inside a
+// block): column k's scale is scale[.., (k + k_shift) / block_k]. The rows are bucketed by expert
+// here (no sort, no host sync on the caller's side). A few rows per expert: each weight row is
+// dequantized into a row buffer once and dotted with every row of its expert. Many rows: a chunk of
+// weight rows dequantized into a float32 matrix (in parallel), then one GEMM per chunk. x float32
+// or bfloat16 (the products in float32, the result rounded to x's dtype once). Reference:
+// kernels.fp8_block_mm_reference (F.linear over kernels.fp8_block_dequant; tests compare them).
+namespace {
+
+const float* fp8_e4m3_table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(256);
+    for (int b = 0; b < 256; ++b)
+      t[b] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(b), c10::Float8_e4m3fn::from_bits()));
+    return t;
+  }();
+  return table.data();
+}
+
+inline void dequant_row(const uint8_t* __restrict w, const float* __restrict srow, int64_t K, int64_t k_shift,
+                        int64_t block_k, const float* __restrict lut, float* __restrict out) {
+  for (int64_t k0 = 0; k0 < K;) {
+    const int64_t kb = (k0 + k_shift) / block_k;
+    const int64_t k1 = std::min(K, (kb + 1) * block_k - k_shift);
+    const float s = srow[kb];
+    for (int64_t k = k0; k < k1; ++k) out[k] = lut[w[k]] * s;
+    k0 = k1;
+  }
+}
+
+}  // namespace
+
+at::Tensor fp8_block_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const at::Tensor& row_block,
+                        int64_t k_shift, int64_t block_k, const std::optional<at::Tensor>& experts) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "fp8_block_mm: x float32 or bfloat16 [P, K], got ", x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(w.scalar_type() == at::kFloat8_e4m3fn && (w.dim() == 2 || w.dim() == 3),
+              "fp8_block_mm: w float8_e4m3fn [E, N, K] or [N, K], got ", w.scalar_type(), " ", w.sizes());
+  const at::Tensor w3 = (w.dim() == 2 ? w.unsqueeze(0) : w).contiguous();
+  const at::Tensor s3 = (scale.dim() == 2 ? scale.unsqueeze(0) : scale).to(at::kFloat).contiguous();
+  const int64_t E = w3.size(0), N = w3.size(1), K = w3.size(2), P = x.size(0);
+  TORCH_CHECK(x.size(1) == K, "fp8_block_mm: x has ", x.size(1), " columns, w ", K);
+  TORCH_CHECK(block_k > 0 && k_shift >= 0 && s3.dim() == 3 && s3.size(0) == E &&
+              (K == 0 || (K - 1 + k_shift) / block_k < s3.size(2)),
+              "fp8_block_mm: scale ", s3.sizes(), " does not cover ", K, " columns (shift ", k_shift, ", block ", block_k, ")");
+  const at::Tensor rb = row_block.to(at::kInt).contiguous();
+  TORCH_CHECK(rb.numel() == N, "fp8_block_mm: row_block has ", rb.numel(), " entries, w ", N, " rows");
+  const int32_t* rbp = rb.data_ptr<int32_t>();
+  for (int64_t n = 0; n < N; ++n) TORCH_CHECK(rbp[n] >= 0 && rbp[n] < s3.size(1), "fp8_block_mm: row_block out of range");
+  std::vector<std::vector<int64_t>> groups(E);
+  if (experts.has_value()) {
+    const at::Tensor ex = experts->to(at::kLong).contiguous();
+    TORCH_CHECK(ex.numel() == P, "fp8_block_mm: experts has ", ex.numel(), " entries, x ", P, " rows");
+    const int64_t* ep = ex.data_ptr<int64_t>();
+    for (int64_t p = 0; p < P; ++p) {
+      TORCH_CHECK(ep[p] >= 0 && ep[p] < E, "fp8_block_mm: expert ", ep[p], " out of range [0, ", E, ")");
+      groups[ep[p]].push_back(p);
+    }
+  } else {
+    TORCH_CHECK(E == 1, "fp8_block_mm: ", E, " matrices need experts");
+    groups[0].resize(P);
+    for (int64_t p = 0; p < P; ++p) groups[0][p] = p;
+  }
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({P, N}, xf.options());
+  const float* lut = fp8_e4m3_table();
+  const uint8_t* wp = reinterpret_cast<const uint8_t*>(w3.data_ptr());
+  const float* sp = s3.data_ptr<float>();
+  const int64_t RB = s3.size(1), KB = s3.size(2);
+  constexpr int64_t kFewRows = 16;  // up to this many rows per expert: fused dequantize-and-dot
+  constexpr int64_t kChunk = 256;  // weight rows dequantized per GEMM, many rows
+  for (int64_t e = 0; e < E; ++e) {
+    const std::vector<int64_t>& rows = groups[e];
+    const int64_t R = static_cast<int64_t>(rows.size());
+    if (R == 0) continue;
+    const bool all = !experts.has_value();
+    const at::Tensor idx = all ? at::Tensor() : at::tensor(rows, xf.options().dtype(at::kLong));
+    const at::Tensor xg = all ? xf : xf.index_select(0, idx);
+    at::Tensor yg = all ? out : at::empty({R, N}, xf.options());
+    const float* xp = xg.data_ptr<float>();
+    float* yp = yg.data_ptr<float>();
+    const uint8_t* we = wp + e * N * K;
+    const float* se = sp + e * RB * KB;
+    if (R <= kFewRows) {
+      at::parallel_for(0, N, std::max<int64_t>(1, 4096 / std::max<int64_t>(K, 1)), [&](int64_t n0, int64_t n1) {
+        std::vector<float> wrow(K);
+        for (int64_t n = n0; n < n1; ++n) {
+          dequant_row(we + n * K, se + rbp[n] * KB, K, k_shift, block_k, lut, wrow.data());
+          for (int64_t r = 0; r < R; ++r) {
+            const float* xr = xp + r * K;
+            float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+            for (int64_t k = 0; k < K; ++k) acc += xr[k] * wrow[k];
+            yp[r * N + n] = acc;
+          }
+        }
+      });
+    } else {
+      at::Tensor wf = at::empty({std::min(kChunk, N), K}, xf.options());
+      float* wfp = wf.data_ptr<float>();
+      for (int64_t c0 = 0; c0 < N; c0 += kChunk) {
+        const int64_t nc = std::min(kChunk, N - c0);
+        at::parallel_for(0, nc, 1, [&](int64_t i0, int64_t i1) {
+          for (int64_t i = i0; i < i1; ++i)
+            dequant_row(we + (c0 + i) * K, se + rbp[c0 + i] * KB, K, k_shift, block_k, lut, wfp + i * K);
+        });
+        yg.narrow(1, c0, nc).copy_(at::mm(xg, wf.narrow(0, 0, nc).t()));
+      }
+    }
+    if (!all) out.index_copy_(0, idx, yg);
+  }
+  return out.to(x.scalar_type());
+}
+
+TORCH_LIBRARY_FRAGMENT(matrixinfer, m) {
+  m.def("fp8_block_mm(Tensor x, Tensor w, Tensor scale, Tensor row_block, int k_shift, int block_k, "
+        "Tensor? experts) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(matrixinfer, CPU, m) {
+  m.impl("fp8_block_mm", fp8_block_mm);
+}
