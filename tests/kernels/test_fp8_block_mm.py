@@ -77,3 +77,12 @@ def test_operator_refuses_a_scale_grid_that_does_not_cover_the_weight():
     w, scale = weights(130, 200, blocks=(2, 1))  # 200 columns need 2 column blocks
     with pytest.raises(RuntimeError, match="does not cover"):
         fp8_block_mm(torch.randn(1, 200), w, scale, (torch.arange(130) // 128).int(), 0, 128)
+
+
+def test_every_finite_e4m3_byte_dequantizes_as_torch_converts_it():
+    """The operator decodes e4m3fn on the bits: all 254 finite values (subnormals, both zeros,
+    +-448) times a scale of 1, as one row each of an identity product."""
+    finite = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)], dtype=torch.uint8).view(FP8)
+    w = finite[:, None].expand(-1, 1).contiguous()  # [254, 1]: row n holds byte n
+    got = fp8_block_mm(torch.ones(1, 1), w, torch.ones(2, 1), (torch.arange(254) // 128).int(), 0, 128)
+    assert torch.equal(got[0], finite.float())
