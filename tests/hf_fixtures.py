@@ -4,7 +4,6 @@ the oracle side of every model test."""
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from pathlib import Path
 
@@ -77,9 +76,6 @@ def make_tokenizer(path: Path, vocab_size: int = 300) -> None:
     }))
 
 
-# the projections DeepSeek's FP8 release stores in float8_e4m3fn (the rest: bf16)
-FP8_PROJECTIONS = re.compile(r".*\.(q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj|gate_proj|up_proj|"
-                             r"down_proj)\.weight$")
 # widths that straddle 128 (ragged edge blocks, merged pieces not on block edges) yet stay fast
 FP8_WIDE = dict(hidden_size=160, intermediate_size=272, moe_intermediate_size=144, q_lora_rank=136, kv_lora_rank=144)
 
@@ -92,7 +88,7 @@ def make_fp8_checkpoint(fp8_dir: Path, dequant_dir: Path, variant: str = "v3-qlo
     (dequant_dir: the oracle; every block multiplied by its scale in a loop written here)."""
     from safetensors.torch import load_file, save_file
 
-    from matrixinfer.quant.fp8 import quantize_tensor
+    from matrixinfer.quant.fp8 import RELEASE_FP8, quantize_tensor
 
     make_checkpoint(dequant_dir, variant, **{**FP8_WIDE, **extra})
     fp8_dir.mkdir(parents=True, exist_ok=True)
@@ -103,7 +99,7 @@ def make_fp8_checkpoint(fp8_dir: Path, dequant_dir: Path, variant: str = "v3-qlo
     fp8, dequant = {}, {}
     bn, bk = block
     for name, w in tensors.items():
-        if not FP8_PROJECTIONS.match(name):
+        if not RELEASE_FP8.match(name):
             fp8[name] = dequant[name] = w
             continue
         q, scale = quantize_tensor(w, block)

@@ -28,6 +28,8 @@ plus the column grid's offset (`fp8_k_shift`) for input-split shards.
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -47,6 +49,10 @@ from matrixinfer.quant.w8a8 import ABSORBED
 QUANT_METHOD = "fp8"
 SCALE_SUFFIX = ".weight_scale_inv"
 FP8 = torch.float8_e4m3fn
+# the checkpoint tensors DeepSeek's release stores in FP8: every projection but the LM head and
+# the router gate (writers of the format use it: bench/make_model.py, the tests' fixtures)
+RELEASE_FP8 = re.compile(r".*\.(q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj|gate_proj|up_proj|"
+                         r"down_proj|eh_proj)\.weight$")
 
 
 def is_fp8_dtype(name: str) -> bool:
