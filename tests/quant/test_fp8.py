@@ -106,3 +106,24 @@ def test_expert_shard_multiplies_like_its_slices_of_the_full_experts():
             h = torch.nn.functional.silu(full[e, "gate_proj"][rows] @ x[n]) * (full[e, "up_proj"][rows] @ x[n])
             want = full[e, "down_proj"][:, rows] @ h
             assert (got[n, j] - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_quantize_from_the_fp8_release_equals_quantizing_its_dequantized_weights(tmp_path):
+    """`matrixinfer quantize` from an FP8 checkpoint (dequantized at load, tensor by tensor) writes
+    the same W8A8 checkpoint, to the bit, as from the same weights dequantized to float32."""
+    from safetensors.torch import load_file
+
+    from matrixinfer.quant.cli import quantize_checkpoint
+    from matrixinfer.quant.quantize import QuantizeOptions
+    from tests.hf_fixtures import make_fp8_checkpoint
+
+    make_fp8_checkpoint(tmp_path / "fp8", tmp_path / "dequantized", num_hidden_layers=2)
+    windows = torch.randint(2, 97, (4, 24), generator=torch.Generator().manual_seed(0))
+    for name in ("fp8", "dequantized"):
+        torch.manual_seed(0)
+        quantize_checkpoint(tmp_path / name, tmp_path / f"{name}-w8a8", QuantizeOptions(block_size=32), windows,
+                            batch_size=4, show_progress=False)
+    a, b = (load_file(str(tmp_path / f"{n}-w8a8" / "model.safetensors")) for n in ("fp8", "dequantized"))
+    assert a.keys() == b.keys() and any(t.dtype == torch.int8 for t in a.values())
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
