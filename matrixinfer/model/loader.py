@@ -9,6 +9,9 @@ is mapped here:
   in `model.mtp.{k}.*`; their copies of the embedding and LM head are skipped (shared).
 - Some writers fuse experts into `mlp.experts.gate_up_proj` / `mlp.experts.down_proj`
   [E, ...] tensors; they are split per expert.
+- DeepSeek's FP8 release (float8 weights + `weight_scale_inv` block scales, quant/fp8.py): kept
+  in FP8 through their layers' method, or each tensor dequantized with its scale as it is
+  copied (an explicit dtype), never the whole model at once.
 """
 
 from __future__ import annotations
