@@ -21,6 +21,7 @@ import re
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Callable
 
 import torch
 from safetensors import safe_open
@@ -139,6 +140,7 @@ def load_model(
     quant_config: QuantizationConfig | None = None,
     weights: dict[str, torch.Tensor] | None = None,
     keep_fp8: bool | None = None,
+    only: Callable[[str], bool] | None = None,
 ) -> DeepseekForCausalLM:
     """This tensor-parallel rank's shard of the model (parallel/state.py; the whole model in
     one process). quant_config chooses how linear layers store weights (None: what the
@@ -147,7 +149,9 @@ def load_model(
     reading the directory's safetensors files (config.json still comes from model_dir).
     keep_fp8, for an FP8 checkpoint (quant/fp8.py): True keeps the weights in FP8 with
     activations in `dtype`; False dequantizes them to `dtype` at load, tensor by tensor; None
-    (default): keep them with dtype "auto", dequantize with an explicit dtype."""
+    (default): keep them with dtype "auto", dequantize with an explicit dtype.
+    only: load just the tensors whose name (ours, experts one by one) it accepts; every other
+    parameter stays on the meta device, holding no memory (the streaming quantizer's one layer)."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_pretrained(model_dir)
     torch_dtype = resolve_dtype(dtype, cfg)
@@ -170,17 +174,23 @@ def load_model(
     for p in model.parameters():
         if getattr(p, "keep_dtype", None) is not None:  # quantization scales, FP8 weights
             p.data = p.data.to(p.keep_dtype)
-    materialize(model, device)
+    materialize(model, device, only)
     for layer in model.attention_layers():
-        layer.rotary.reset_parameters()  # non-persistent buffers are not in the checkpoint
+        if not layer.rotary.inv_freq.is_meta:
+            layer.rotary.reset_parameters()  # non-persistent buffers are not in the checkpoint
     params = dict(model.named_parameters())
     params.update(dict(model.named_buffers()))
-    expected = {name for name, _ in checkpoint_tensors(model)}  # this rank's tensors, by checkpoint name
+    # this rank's tensors, by checkpoint name
+    expected = {name for name, _ in checkpoint_tensors(model) if only is None or only(name)}
     loaded: set[str] = set()
 
     def held_elsewhere(name: str) -> bool:
         """An expert weight of an expert this process does not hold (expert parallelism)."""
         return expert_ids is not None and name not in expected and bool(re.search(r"\.mlp\.experts\.\d+\.", name))
+
+    def wanted(target: str) -> bool:
+        """`only` accepts it (a fused experts tensor: if it accepts its expert 0's pieces)."""
+        return only is None or only(target.replace(".*.", ".0."))
 
     def copy(name: str, tensor: torch.Tensor, source: str):
         if held_elsewhere(name):
@@ -212,7 +222,7 @@ def load_model(
                         if scale not in holder:
                             raise CheckpointError(f"FP8 tensor {source!r} has no {scale!r}")
                         target = _target_name(source, cfg, with_mtp)
-                        if target is not None and not held_elsewhere(target):
+                        if target is not None and not held_elsewhere(target) and wanted(target):
                             copy(target, dequantize_tensor(f.get_tensor(source), holder[scale].get_tensor(scale),
                                                            fp8_config.block, torch_dtype), source)
                         continue
@@ -221,7 +231,7 @@ def load_model(
                         raise CheckpointError(f"tensor {source!r}: asymmetric quantization is not supported")
                     continue
                 target = _target_name(source, cfg, with_mtp)
-                if target is None or held_elsewhere(target):
+                if target is None or held_elsewhere(target) or not wanted(target):
                     continue  # not read from disk at all
                 if ".*." in target:  # fused experts [E, ...]
                     t = f.get_tensor(source)
@@ -239,16 +249,19 @@ def load_model(
     if missing:
         raise CheckpointError(f"checkpoint {model_dir} lacks {len(missing)} tensor(s), first: {missing[:5]}")
     for module in model.modules():
-        if hasattr(module, "quant_method"):
+        if hasattr(module, "quant_method") and not any(p.is_meta for p in module.parameters(recurse=False)):
             module.quant_method.process_weights_after_loading(module)
     return model.eval()
 
 
-def materialize(model: nn.Module, device: str | torch.device) -> None:
+def materialize(model: nn.Module, device: str | torch.device, only: Callable[[str], bool] | None = None) -> None:
     """Like Module.to_empty(device): meta tensors become uninitialised ones on `device`, but
-    parameters keep their attributes (weight_loader, output_dim, ...) and tied ones stay tied."""
+    parameters keep their attributes (weight_loader, output_dim, ...) and tied ones stay tied.
+    only: the parameters of the modules whose name + "." it accepts; the rest stay meta."""
     new: dict[int, nn.Parameter] = {}
-    for module in model.modules():
+    for mod_name, module in model.named_modules():
+        if only is not None and not only(f"{mod_name}."):
+            continue
         for name, p in module._parameters.items():
             if p is None:
                 continue

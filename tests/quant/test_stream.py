@@ -1,0 +1,108 @@
+"""`matrixinfer quantize --stream` (quant/stream.py): the same W8A8 checkpoint as the in-memory
+quantizer, to the bit; a killed run resumes after its last finished layer; and its peak memory
+is about a layer's, not the model's."""
+
+import glob
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from matrixinfer.quant import stream
+from matrixinfer.quant.cli import quantize_checkpoint
+from matrixinfer.quant.quantize import QuantizeOptions
+from tests.hf_fixtures import make_checkpoint
+
+WINDOWS = torch.randint(2, 97, (6, 20), generator=torch.Generator().manual_seed(0))
+OPTS = QuantizeOptions(block_size=16)
+
+
+def tensors(path):
+    out = {}
+    for f in glob.glob(f"{path}/*.safetensors"):
+        out.update(load_file(f))
+    return out
+
+
+def quantize(src, out, stream_it):
+    torch.manual_seed(0)
+    quantize_checkpoint(src, out, OPTS, WINDOWS, batch_size=4, show_progress=False, stream=stream_it)
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    root = tmp_path_factory.mktemp("stream")
+    make_checkpoint(root / "src", "v3-qlora-yarn", num_hidden_layers=3)
+    quantize(root / "src", root / "in-memory", False)
+    return root / "src", tensors(root / "in-memory"), json.loads((root / "in-memory" / "config.json").read_text())
+
+
+def assert_same(out, expected, expected_cfg):
+    got = tensors(out)
+    assert got.keys() == expected.keys() and any(t.dtype == torch.int8 for t in got.values())
+    for k in got:
+        assert torch.equal(got[k], expected[k]), k
+    assert json.loads((out / "config.json").read_text()) == expected_cfg
+    assert not (out / ".partial").exists()
+
+
+def test_streaming_writes_the_in_memory_checkpoint_to_the_bit(source, tmp_path):
+    src, expected, cfg = source
+    quantize(src, tmp_path / "out", True)
+    assert_same(tmp_path / "out", expected, cfg)
+
+
+def test_a_killed_run_resumes_after_its_last_finished_layer(source, tmp_path, monkeypatch):
+    src, expected, cfg = source
+    real, calls = stream.quantize_into, []
+
+    def dies_at_layer_1(src_layer, qlayer, stats, opts, progress=None, prefix=""):
+        calls.append(prefix)
+        if prefix == "model.layers.1." and len(calls) == 2:
+            raise KeyboardInterrupt  # the kill, after layer 0 was written
+        return real(src_layer, qlayer, stats, opts, progress, prefix)
+
+    monkeypatch.setattr(stream, "quantize_into", dies_at_layer_1)
+    with pytest.raises(KeyboardInterrupt):
+        quantize(src, tmp_path / "out", True)
+    assert (tmp_path / "out" / ".partial" / "layer-0.safetensors").exists()
+    quantize(src, tmp_path / "out", True)
+    assert calls == ["model.layers.0.", "model.layers.1.", "model.layers.1.", "model.layers.2."]  # 0 not redone
+    assert_same(tmp_path / "out", expected, cfg)
+
+
+PEAK = """
+import resource, sys, torch
+from matrixinfer.quant.cli import quantize_checkpoint
+from matrixinfer.quant.quantize import QuantizeOptions
+torch.set_num_threads(1)
+windows = torch.randint(2, 500, (4, 32), generator=torch.Generator().manual_seed(0))
+quantize_checkpoint(sys.argv[1], sys.argv[2], QuantizeOptions(smooth_alpha=0.5, scale_search=False, clip="none"),
+                    windows, batch_size=4, show_progress=False, stream=sys.argv[3] == "1")
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+
+
+def test_peak_memory_is_about_a_layer_not_the_model(tmp_path):
+    """12 layers of 14 MB each in float32 (168 MB): streaming peaks under 4 layers' worth above
+    the interpreter's baseline, the in-memory quantizer over the whole float model's."""
+    from matrixinfer.bench.make_model import write_model
+
+    write_model(tmp_path / "src", "deepseek-v2-lite", 12, vocab_size=512, hidden_size=256, intermediate_size=512,
+                moe_intermediate_size=256, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=64,
+                n_routed_experts=16, num_experts_per_tok=2)
+    layer_bytes = 14e6
+
+    def peak(stream_it, out):
+        run = subprocess.run([sys.executable, "-c", PEAK, str(tmp_path / "src"), str(tmp_path / out), stream_it],
+                             capture_output=True, text=True, check=True)
+        return int(run.stdout.split()[-1])
+
+    baseline = int(subprocess.run([sys.executable, "-c", "import resource, torch, matrixinfer.quant.cli, "
+                                   "matrixinfer.model.loader; print(resource.getrusage(resource.RUSAGE_SELF)"
+                                   ".ru_maxrss * 1024)"], capture_output=True, text=True, check=True).stdout)
+    streamed, in_memory = peak("1", "streamed") - baseline, peak("0", "in-memory") - baseline
+    assert streamed < 4 * layer_bytes < 12 * layer_bytes < in_memory
