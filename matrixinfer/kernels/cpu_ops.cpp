@@ -718,6 +718,29 @@ inline float dot_row(const uint8_t* __restrict w, const float* __restrict srow, 
   return acc;
 }
 
+constexpr int kTileRows = 4;  // weight rows per tile, a few input rows
+
+#if defined(MI_FP8_AVX2)
+// one input row times kTileRows decoded weight rows (w: kTileRows rows of K, one after another) -> y[0..3]
+inline void tile_dots(const float* __restrict x, const float* __restrict w, int64_t K, float* __restrict y) {
+  __m256 acc[kTileRows];
+  for (int j = 0; j < kTileRows; ++j) acc[j] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    const __m256 xv = _mm256_loadu_ps(x + k);
+    for (int j = 0; j < kTileRows; ++j) acc[j] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + j * K + k), acc[j]);
+  }
+  for (int j = 0; j < kTileRows; ++j) {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, acc[j]);
+    float sum = 0.f;
+    for (float l : lanes) sum += l;
+    for (int64_t t = k; t < K; ++t) sum += x[t] * w[j * K + t];
+    y[j] = sum;
+  }
+}
+#endif
+
 inline void dequant_row(const uint8_t* __restrict w, const float* __restrict srow, int64_t K, int64_t k_shift,
                         int64_t block_k, float* __restrict out) {
   for (int64_t k0 = 0; k0 < K;) {
@@ -794,8 +817,17 @@ at::Tensor fp8_block_mm(const at::Tensor& x, const at::Tensor& w, const at::Tens
           for (int64_t n = n0; n < n1; ++n) yp[n] = dot_row(we + n * K, se + rbp[n] * KB, K, k_shift, block_k, xp);
           return;
         }
-        std::vector<float> wrow(K);
-        for (int64_t n = n0; n < n1; ++n) {
+        std::vector<float> wrow(kTileRows * K);
+        int64_t n = n0;
+#if defined(MI_FP8_AVX2)
+        for (; n + kTileRows <= n1; n += kTileRows) {  // 4 weight rows decoded, each input load used 4 times
+          for (int j = 0; j < kTileRows; ++j)
+            dequant_row(we + (n + j) * K, se + rbp[n + j] * KB, K, k_shift, block_k, wrow.data() + j * K);
+          for (int64_t r = 0; r < R; ++r)
+            tile_dots(xp + r * K, wrow.data(), K, yp + r * N + n);
+        }
+#endif
+        for (; n < n1; ++n) {
           dequant_row(we + n * K, se + rbp[n] * KB, K, k_shift, block_k, wrow.data());
           for (int64_t r = 0; r < R; ++r) {
             const float* xr = xp + r * K;
