@@ -16,6 +16,7 @@ layer whose shard and following hidden states both exist.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -94,7 +95,8 @@ def quantize_streaming(model_dir: str | Path, out_dir: str | Path, opts, windows
         qlayer = DecoderLayer(cfg, i, None, qcfg, prefix=prefix.rstrip(".")).to(torch.float32)
         quantize_into(layer, qlayer, stats, opts, prefix=prefix)
         tensors = _layer_tensors(qlayer, prefix)
-        del model, layer, qlayer, stats, outputs
+        del model, layer, qlayer, stats, outputs, forward
+        gc.collect()  # parameters point back at their layer (weight_loader): freed by the cycle collector
         _atomic(work / f"layer-{i}.safetensors", lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
         _atomic(work / f"hidden-{i + 1}.pt", lambda p: torch.save(hidden, p))
         (work / f"hidden-{i}.pt").unlink(missing_ok=True)
