@@ -268,8 +268,10 @@ class SpeculativeConfig:
 
 @dataclass
 class QuantizationConfig:
-    # None: whatever the checkpoint says (a compressed-tensors int8 checkpoint runs W8A8);
-    # "w8a8" / "compressed-tensors": require a W8A8 checkpoint (written by `matrixinfer quantize`)
+    # None: whatever the checkpoint says (a compressed-tensors int8 checkpoint runs W8A8; an FP8
+    # one, DeepSeek's release, keeps FP8 weights with dtype auto, else is dequantized to dtype at load);
+    # "w8a8" / "compressed-tensors": require a W8A8 checkpoint (written by `matrixinfer quantize`);
+    # "fp8": require an FP8 checkpoint and keep its weights in FP8 whatever the dtype
     method: str | None = None
 
 
@@ -390,8 +392,8 @@ class EngineConfig:
         if self.batch_invariant and (par.expert_parallel_size > 1 or par.sequence_parallel):
             raise ValueError("batch_invariant with expert parallelism or prefill_parallel sp-tp-sp is not built yet "
                              "(their runners build their own steps; docs/determinism.md)")
-        if self.quantization.method not in (None, "w8a8", "compressed-tensors"):
-            raise ValueError(f"unknown quantization {self.quantization.method!r} (w8a8, compressed-tensors); a "
+        if self.quantization.method not in (None, "w8a8", "compressed-tensors", "fp8"):
+            raise ValueError(f"unknown quantization {self.quantization.method!r} (w8a8, compressed-tensors, fp8); a "
                              "quantized checkpoint is detected from its config.json")
 
     @property

@@ -3,6 +3,8 @@ the oracle side of every model test."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -55,8 +57,6 @@ def make_checkpoint(path: Path, variant: str, seed: int = 0, **extra):
 def make_tokenizer(path: Path, vocab_size: int = 300) -> None:
     """A byte-level BPE tokenizer (trained on a few lines of Python) with <bos>/<eos>, written
     as tokenizer.json + tokenizer_config.json like a Hugging Face model directory."""
-    import json
-
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -74,3 +74,44 @@ def make_tokenizer(path: Path, vocab_size: int = 300) -> None:
         "chat_template": "{{ bos_token }}{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
                          "{% if add_generation_prompt %}<assistant>{% endif %}",
     }))
+
+
+# widths that straddle 128 (ragged edge blocks, merged pieces not on block edges) yet stay fast
+FP8_WIDE = dict(hidden_size=160, intermediate_size=272, moe_intermediate_size=144, q_lora_rank=136, kv_lora_rank=144)
+
+
+def make_fp8_checkpoint(fp8_dir: Path, dequant_dir: Path, variant: str = "v3-qlora-yarn",
+                        block: tuple[int, int] = (128, 128), **extra) -> None:
+    """A tiny random model in DeepSeek-V3's FP8 release format (fp8_dir: every projection
+    float8_e4m3fn with a float32 `weight_scale_inv` per block, its config's quantization_config
+    as the release writes it) and the same weights dequantized to float32 as a plain checkpoint
+    (dequant_dir: the oracle; every block multiplied by its scale in a loop written here)."""
+    from safetensors.torch import load_file, save_file
+
+    from matrixinfer.quant.fp8 import RELEASE_FP8, quantize_tensor
+
+    make_checkpoint(dequant_dir, variant, **{**FP8_WIDE, **extra})
+    fp8_dir.mkdir(parents=True, exist_ok=True)
+    for name in dequant_dir.iterdir():
+        if name.suffix != ".safetensors":
+            shutil.copy(name, fp8_dir / name.name)
+    tensors = load_file(str(dequant_dir / "model.safetensors"))
+    fp8, dequant = {}, {}
+    bn, bk = block
+    for name, w in tensors.items():
+        if not RELEASE_FP8.match(name):
+            fp8[name] = dequant[name] = w
+            continue
+        q, scale = quantize_tensor(w, block)
+        fp8[name], fp8[name.removesuffix("weight") + "weight_scale_inv"] = q, scale
+        d = q.float()
+        for i in range(scale.shape[0]):
+            for j in range(scale.shape[1]):
+                d[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk] *= scale[i, j]
+        dequant[name] = d
+    save_file(fp8, str(fp8_dir / "model.safetensors"))
+    save_file(dequant, str(dequant_dir / "model.safetensors"))
+    cfg = json.loads((fp8_dir / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": list(block)}
+    (fp8_dir / "config.json").write_text(json.dumps(cfg, indent=2))

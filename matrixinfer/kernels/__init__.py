@@ -17,6 +17,10 @@ cpu_ops.cpp:
   the rows bucketed by expert inside, AVX-512 / AVX512-BF16 multiply-adds into blocks of 16
   outputs over a copy of the weights packed once after loading (pack_small_mm; the reference:
   F.linear per row); built for the dtypes this CPU has instructions for, probed at load.
+- fp8_block_mm: rows times float8_e4m3fn weights with a float32 scale per block (DeepSeek-V3's
+  FP8 release, `weight_scale_inv`), dequantized block by block inside the product, the rows
+  bucketed by expert inside as small_mm does (the reference: fp8_block_mm_reference, F.linear
+  over fp8_block_dequant).
 
 Built with torch.utils.cpp_extension on first use (a C++ compiler, as torch.compile itself
 needs; ninja from pip) and cached on disk, one build per CPU kernel level so a shared home
@@ -182,6 +186,8 @@ def load_cpu_ops() -> bool:
                 lambda x: x.new_empty(x.shape[0], dtype=torch.long))
             torch.library.register_fake("matrixinfer::small_mm")(
                 lambda x, w, experts: x.new_empty(x.shape[0], w.shape[1] * SMALL_MM_BLOCK))
+            torch.library.register_fake("matrixinfer::fp8_block_mm")(
+                lambda x, w, scale, row_block, k_shift, block_k, experts: x.new_empty(x.shape[0], w.shape[-2]))
             _probe_small_mm()
             copyreg.pickle(torch._ops.OpOverload, _pickle_operator)  # c_shims' cache key (its docstring)
             ok = True
@@ -304,3 +310,37 @@ def small_mm(x: torch.Tensor, w: torch.Tensor, experts: torch.Tensor | None = No
     (None: w holds one, E = 1) -> [P, N], row p times w[experts[p]] transposed. For a few rows;
     F.linear per row is the reference."""
     return torch.ops.matrixinfer.small_mm.default(x, w, experts)
+
+
+def fp8_block_dequant(w: torch.Tensor, scale: torch.Tensor, row_block: torch.Tensor, k_shift: int = 0,
+                      block_k: int = 128, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """w [..., N, K] float8_e4m3fn, scale [..., RB, KB] float32, row_block [N]: each output row's
+    scale row -> w times its block's scale, in `dtype` (column k takes scale column
+    (k + k_shift) // block_k). The PyTorch reference of fp8_block_mm's dequantization."""
+    k = w.shape[-1]
+    s = scale.float().index_select(-2, row_block.to(device=scale.device, dtype=torch.long))
+    s = s.repeat_interleave(block_k, dim=-1).narrow(-1, k_shift, k)
+    return (w.float() * s).to(dtype)
+
+
+def fp8_block_mm_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, row_block: torch.Tensor,
+                           k_shift: int = 0, block_k: int = 128, experts: torch.Tensor | None = None) -> torch.Tensor:
+    """fp8_block_mm in PyTorch: F.linear over the dequantized weights (in x's dtype), per expert."""
+    if experts is None:
+        return F.linear(x, fp8_block_dequant(w if w.dim() == 2 else w[0], scale if scale.dim() == 2 else scale[0],
+                                             row_block, k_shift, block_k, x.dtype))
+    out = x.new_empty(x.shape[0], w.shape[-2])
+    for e in experts.unique().tolist():  # reads the experts on the host: eager use (or a fallback)
+        rows = (experts == e).nonzero().flatten()
+        out[rows] = F.linear(x[rows], fp8_block_dequant(w[e], scale[e], row_block, k_shift, block_k, x.dtype))
+    return out
+
+
+def fp8_block_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, row_block: torch.Tensor, k_shift: int = 0,
+                 block_k: int = 128, experts: torch.Tensor | None = None) -> torch.Tensor:
+    """x [P, K] times block-scaled float8_e4m3fn weights w [E, N, K] (or [N, K], experts None),
+    scale [E, RB, KB], row_block [N] int32, experts [P]: each row's matrix -> [P, N] in x's dtype:
+    the operator for float32 / bfloat16 rows on the CPU, fp8_block_mm_reference otherwise."""
+    if x.dtype in (torch.float32, torch.bfloat16) and cpu_ops_serve(x.device):
+        return torch.ops.matrixinfer.fp8_block_mm.default(x, w, scale, row_block, k_shift, block_k, experts)
+    return fp8_block_mm_reference(x, w, scale, row_block, k_shift, block_k, experts)

@@ -22,6 +22,7 @@
 #include <utility>
 #include <type_traits>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -640,4 +641,225 @@ extern "C" AOTITorchError aoti_torch_cpu_grouped_mm(AtenTensorHandle a, AtenTens
     *ret0 = new_tensor_handle(grouped_mm(*tensor_handle_to_tensor_pointer(a), *tensor_handle_to_tensor_pointer(b),
                                          *tensor_handle_to_tensor_pointer(offs)));
   });
+}
+
+// fp8_block_mm: y[p] = dequant(w[e(p)]) @ x[p] for weights stored as float8_e4m3fn with one float32
+// scale per block of block_n x block_k weights (DeepSeek-V3's release format, `weight_scale_inv`),
+// dequantized here block by block and never as a whole matrix. w [E, N, K] (or [N, K]: one
+// matrix, experts none), scale [E, RB, KB], row_block [N] int32: the scale row of each output row
+// (merged projections and tensor-parallel shards do not start on a block edge, so the row -> block
+// map is explicit), k_shift: the column block grid's offset (an input-split shard starts inside a
+// block): column k's scale is scale[.., (k + k_shift) / block_k]. The rows are bucketed by expert
+// here (no sort, no host sync on the caller's side). A few rows per expert: each weight row is
+// dequantized into a row buffer once and dotted with every row of its expert. Many rows: a chunk of
+// weight rows dequantized into a float32 matrix (in parallel), then one GEMM per chunk. x float32
+// or bfloat16 (the products in float32, the result rounded to x's dtype once). Reference:
+// kernels.fp8_block_mm_reference (F.linear over kernels.fp8_block_dequant; tests compare them).
+namespace {
+
+// e4m3fn -> float32 on the bits, so the loop vectorises (a 256-entry table is a gather per weight):
+// sign, then the 4 exponent + 3 mantissa bits moved to float32's fields with the bias raised from 7
+// to 127; exponent 0 is subnormal, m * 2^-9. 0x7f / 0xff (e4m3fn's NaNs) come out as +-480:
+// checkpoints hold none (the test compares every other byte with torch's conversion).
+inline float float_of_bits(uint32_t u) { float f; std::memcpy(&f, &u, sizeof f); return f; }
+inline uint32_t bits_of_float(float f) { uint32_t u; std::memcpy(&u, &f, sizeof u); return u; }
+
+inline float fp8_e4m3_to_float(uint8_t b) {
+  const uint32_t bits = b & 0x7fu;
+  const float normal = float_of_bits((bits << 20) + (120u << 23));
+  const float sub = static_cast<float>(bits) * 0.001953125f;  // 2^-9
+  const float v = (bits >> 3) ? normal : sub;
+  return float_of_bits(bits_of_float(v) | (static_cast<uint32_t>(b & 0x80u) << 24));
+}
+
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define MI_FP8_AVX2 1
+// Faster, for scales below 2^7: the 7 magnitude bits moved under float32's exponent and mantissa
+// with the sign kept, which float32 reads as exactly 2^-120 times the e4m3 value (its exponent 0
+// lands on float32's subnormals, right too); the scale times 2^120 finishes the value, so
+// raw * (s * 2^120) rounds exactly as value * s. (A process that sets denormals-are-zero would
+// zero the e4m3 subnormals, below 2^-6 of e4m3's 448: 1/28,672 of a block's largest weight.)
+inline __m256 fp8x8_raw(const uint8_t* p) {
+  const __m256i b = _mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), 24);
+  return _mm256_castsi256_ps(_mm256_and_si256(_mm256_srai_epi32(b, 4), _mm256_set1_epi32(static_cast<int>(0x87F00000u))));
+}
+constexpr float kTwo120 = 1.329227995784916e36f;  // 2^120
+#endif
+
+// one weight row times one input row: the row's e4m3 weights decoded, scaled and multiplied as they
+// are read (the one-row case: a decode step's linears)
+inline float dot_row(const uint8_t* __restrict w, const float* __restrict srow, int64_t K, int64_t k_shift,
+                     int64_t block_k, const float* __restrict x) {
+  float acc = 0.f;
+#if defined(MI_FP8_AVX2)
+  __m256 vacc = _mm256_setzero_ps();
+#endif
+  for (int64_t k0 = 0; k0 < K;) {
+    const int64_t kb = (k0 + k_shift) / block_k;
+    const int64_t k1 = std::min(K, (kb + 1) * block_k - k_shift);
+    const float s = srow[kb];
+    int64_t k = k0;
+#if defined(MI_FP8_AVX2)
+    if (std::abs(s) < 128.f) {
+      const __m256 s8 = _mm256_set1_ps(s * kTwo120);
+      for (; k + 8 <= k1; k += 8)
+        vacc = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), _mm256_mul_ps(fp8x8_raw(w + k), s8), vacc);
+    }
+#endif
+    for (; k < k1; ++k) acc += x[k] * (fp8_e4m3_to_float(w[k]) * s);
+    k0 = k1;
+  }
+#if defined(MI_FP8_AVX2)
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vacc);
+  for (float l : lanes) acc += l;
+#endif
+  return acc;
+}
+
+constexpr int kTileRows = 4;  // weight rows per tile, a few input rows
+
+#if defined(MI_FP8_AVX2)
+// one input row times kTileRows decoded weight rows (w: kTileRows rows of K, one after another) -> y[0..3]
+inline void tile_dots(const float* __restrict x, const float* __restrict w, int64_t K, float* __restrict y) {
+  __m256 acc[kTileRows];
+  for (int j = 0; j < kTileRows; ++j) acc[j] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    const __m256 xv = _mm256_loadu_ps(x + k);
+    for (int j = 0; j < kTileRows; ++j) acc[j] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + j * K + k), acc[j]);
+  }
+  for (int j = 0; j < kTileRows; ++j) {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, acc[j]);
+    float sum = 0.f;
+    for (float l : lanes) sum += l;
+    for (int64_t t = k; t < K; ++t) sum += x[t] * w[j * K + t];
+    y[j] = sum;
+  }
+}
+#endif
+
+inline void dequant_row(const uint8_t* __restrict w, const float* __restrict srow, int64_t K, int64_t k_shift,
+                        int64_t block_k, float* __restrict out) {
+  for (int64_t k0 = 0; k0 < K;) {
+    const int64_t kb = (k0 + k_shift) / block_k;
+    const int64_t k1 = std::min(K, (kb + 1) * block_k - k_shift);
+    const float s = srow[kb];
+    int64_t k = k0;
+#if defined(MI_FP8_AVX2)
+    if (std::abs(s) < 128.f) {
+      const __m256 s8 = _mm256_set1_ps(s * kTwo120);
+      for (; k + 8 <= k1; k += 8) _mm256_storeu_ps(out + k, _mm256_mul_ps(fp8x8_raw(w + k), s8));
+    }
+#endif
+    for (; k < k1; ++k) out[k] = fp8_e4m3_to_float(w[k]) * s;
+    k0 = k1;
+  }
+}
+
+}  // namespace
+
+at::Tensor fp8_block_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const at::Tensor& row_block,
+                        int64_t k_shift, int64_t block_k, const std::optional<at::Tensor>& experts) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "fp8_block_mm: x float32 or bfloat16 [P, K], got ", x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(w.scalar_type() == at::kFloat8_e4m3fn && (w.dim() == 2 || w.dim() == 3),
+              "fp8_block_mm: w float8_e4m3fn [E, N, K] or [N, K], got ", w.scalar_type(), " ", w.sizes());
+  const at::Tensor w3 = (w.dim() == 2 ? w.unsqueeze(0) : w).contiguous();
+  const at::Tensor s3 = (scale.dim() == 2 ? scale.unsqueeze(0) : scale).to(at::kFloat).contiguous();
+  const int64_t E = w3.size(0), N = w3.size(1), K = w3.size(2), P = x.size(0);
+  TORCH_CHECK(x.size(1) == K, "fp8_block_mm: x has ", x.size(1), " columns, w ", K);
+  TORCH_CHECK(block_k > 0 && k_shift >= 0 && s3.dim() == 3 && s3.size(0) == E &&
+              (K == 0 || (K - 1 + k_shift) / block_k < s3.size(2)),
+              "fp8_block_mm: scale ", s3.sizes(), " does not cover ", K, " columns (shift ", k_shift, ", block ", block_k, ")");
+  const at::Tensor rb = row_block.to(at::kInt).contiguous();
+  TORCH_CHECK(rb.numel() == N, "fp8_block_mm: row_block has ", rb.numel(), " entries, w ", N, " rows");
+  const int32_t* rbp = rb.data_ptr<int32_t>();
+  for (int64_t n = 0; n < N; ++n) TORCH_CHECK(rbp[n] >= 0 && rbp[n] < s3.size(1), "fp8_block_mm: row_block out of range");
+  std::vector<std::vector<int64_t>> groups(E);
+  if (experts.has_value()) {
+    const at::Tensor ex = experts->to(at::kLong).contiguous();
+    TORCH_CHECK(ex.numel() == P, "fp8_block_mm: experts has ", ex.numel(), " entries, x ", P, " rows");
+    const int64_t* ep = ex.data_ptr<int64_t>();
+    for (int64_t p = 0; p < P; ++p) {
+      TORCH_CHECK(ep[p] >= 0 && ep[p] < E, "fp8_block_mm: expert ", ep[p], " out of range [0, ", E, ")");
+      groups[ep[p]].push_back(p);
+    }
+  } else {
+    TORCH_CHECK(E == 1, "fp8_block_mm: ", E, " matrices need experts");
+    groups[0].resize(P);
+    for (int64_t p = 0; p < P; ++p) groups[0][p] = p;
+  }
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({P, N}, xf.options());
+  const uint8_t* wp = reinterpret_cast<const uint8_t*>(w3.data_ptr());
+  const float* sp = s3.data_ptr<float>();
+  const int64_t RB = s3.size(1), KB = s3.size(2);
+  constexpr int64_t kFewRows = 16;  // up to this many rows per expert: fused dequantize-and-dot
+  constexpr int64_t kChunk = 256;  // weight rows dequantized per GEMM, many rows
+  for (int64_t e = 0; e < E; ++e) {
+    const std::vector<int64_t>& rows = groups[e];
+    const int64_t R = static_cast<int64_t>(rows.size());
+    if (R == 0) continue;
+    const bool all = !experts.has_value();
+    const at::Tensor idx = all ? at::Tensor() : at::tensor(rows, xf.options().dtype(at::kLong));
+    const at::Tensor xg = all ? xf : xf.index_select(0, idx);
+    at::Tensor yg = all ? out : at::empty({R, N}, xf.options());
+    const float* xp = xg.data_ptr<float>();
+    float* yp = yg.data_ptr<float>();
+    const uint8_t* we = wp + e * N * K;
+    const float* se = sp + e * RB * KB;
+    if (R <= kFewRows) {
+      at::parallel_for(0, N, std::max<int64_t>(1, 4096 / std::max<int64_t>(K, 1)), [&](int64_t n0, int64_t n1) {
+        if (R == 1) {
+          for (int64_t n = n0; n < n1; ++n) yp[n] = dot_row(we + n * K, se + rbp[n] * KB, K, k_shift, block_k, xp);
+          return;
+        }
+        std::vector<float> wrow(kTileRows * K);
+        int64_t n = n0;
+#if defined(MI_FP8_AVX2)
+        for (; n + kTileRows <= n1; n += kTileRows) {  // 4 weight rows decoded, each input load used 4 times
+          for (int j = 0; j < kTileRows; ++j)
+            dequant_row(we + (n + j) * K, se + rbp[n + j] * KB, K, k_shift, block_k, wrow.data() + j * K);
+          for (int64_t r = 0; r < R; ++r)
+            tile_dots(xp + r * K, wrow.data(), K, yp + r * N + n);
+        }
+#endif
+        for (; n < n1; ++n) {
+          dequant_row(we + n * K, se + rbp[n] * KB, K, k_shift, block_k, wrow.data());
+          for (int64_t r = 0; r < R; ++r) {
+            const float* xr = xp + r * K;
+            float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+            for (int64_t k = 0; k < K; ++k) acc += xr[k] * wrow[k];
+            yp[r * N + n] = acc;
+          }
+        }
+      });
+    } else {
+      at::Tensor wf = at::empty({std::min(kChunk, N), K}, xf.options());
+      float* wfp = wf.data_ptr<float>();
+      for (int64_t c0 = 0; c0 < N; c0 += kChunk) {
+        const int64_t nc = std::min(kChunk, N - c0);
+        at::parallel_for(0, nc, 1, [&](int64_t i0, int64_t i1) {
+          for (int64_t i = i0; i < i1; ++i)
+            dequant_row(we + (c0 + i) * K, se + rbp[c0 + i] * KB, K, k_shift, block_k, wfp + i * K);
+        });
+        yg.narrow(1, c0, nc).copy_(at::mm(xg, wf.narrow(0, 0, nc).t()));
+      }
+    }
+    if (!all) out.index_copy_(0, idx, yg);
+  }
+  return out.to(x.scalar_type());
+}
+
+TORCH_LIBRARY_FRAGMENT(matrixinfer, m) {
+  m.def("fp8_block_mm(Tensor x, Tensor w, Tensor scale, Tensor row_block, int k_shift, int block_k, "
+        "Tensor? experts) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(matrixinfer, CPU, m) {
+  m.impl("fp8_block_mm", fp8_block_mm);
 }

@@ -25,14 +25,20 @@ def checkpoint_state_dict(model: DeepseekForCausalLM, dtype: torch.dtype = torch
         if name.startswith("model.mtp."):
             k, rest = name[len("model.mtp."):].split(".", 1)
             name = f"model.layers.{cfg.num_hidden_layers + int(k)}.{rest}"
-        keep_fp32 = ".mlp.gate." in name or name.endswith("_scale")  # router weight and bias; int8 scales
-        keep = t.dtype == torch.int8  # quantized weights are written as they are
-        out[name] = t.detach().to(t.dtype if keep else torch.float32 if keep_fp32 else dtype).contiguous().clone()
+        out[name] = stored(name, t, dtype)
     for k in range(len(model.model.mtp)):
         prefix = f"model.layers.{cfg.num_hidden_layers + k}."
         out[prefix + "embed_tokens.weight"] = out["model.embed_tokens.weight"].clone()
         out[prefix + "shared_head.head.weight"] = model.lm_head.weight.detach().to(dtype).contiguous().clone()
     return out
+
+
+def stored(name: str, t: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """A parameter as the checkpoint stores it: int8 weights as they are, the router and int8
+    scales in float32, the rest in `dtype`."""
+    keep_fp32 = ".mlp.gate." in name or name.endswith("_scale")  # router weight and bias; int8 scales
+    keep = t.dtype == torch.int8  # quantized weights are written as they are
+    return t.detach().to(t.dtype if keep else torch.float32 if keep_fp32 else dtype).contiguous().clone()
 
 
 def save_pretrained(model: DeepseekForCausalLM, out_dir: str | Path, hf_config: dict, dtype: torch.dtype = torch.bfloat16):

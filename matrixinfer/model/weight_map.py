@@ -41,6 +41,20 @@ def param_for(name: str, params: dict[str, torch.Tensor]) -> tuple[str, ShardId]
     return name, None
 
 
+def checkpoint_names(prefix: str, num_hidden_layers: int) -> list[str]:
+    """Our module prefix -> the checkpoint's module name(s): merged layers have one per piece,
+    MTP module k is layer num_hidden_layers + k, the experts are named by expert 0."""
+    m = re.match(r"model\.mtp\.(\d+)\.(.*)", prefix)
+    if m:
+        prefix = f"model.layers.{num_hidden_layers + int(m.group(1))}.{m.group(2)}"
+    parent, _, leaf = prefix.rpartition(".")
+    if leaf in MERGED:
+        return [f"{parent}.{piece}" for piece in MERGED[leaf]]
+    if leaf == "experts":
+        return [f"{prefix}.0.{piece}" for piece in PIECES]
+    return [prefix]
+
+
 def checkpoint_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor the checkpoint holds for this model, under its checkpoint name: views into
     the merged and stacked parameters (this rank's shard of them under tensor parallelism).
@@ -63,7 +77,8 @@ def checkpoint_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
                         yield f"{mod_name}.{expert}.{PIECES[1]}.{suffix}", up
             elif isinstance(module, LinearBase) and len(module.output_sizes) > 1 and hasattr(t, "output_dim"):
                 parent, _, leaf = mod_name.rpartition(".")
-                parts = t.split(module.output_partition_sizes, dim=t.output_dim)
+                # a parameter of other rows than the weight's (FP8 block scales) says how it splits
+                parts = t.split(getattr(t, "output_split", module.output_partition_sizes), dim=t.output_dim)
                 for piece, part in zip(MERGED[leaf], parts):
                     yield f"{parent}.{piece}.{pname}", part
             else:

@@ -72,9 +72,11 @@ class _RecordingExperts(UnquantizedExpertsMethod):
 
 
 @torch.no_grad()
-def collect_stats(model, batches, max_rows: int = 512, progress=None) -> dict:
+def collect_stats(model, batches, max_rows: int = 512, progress=None, forward=None) -> dict:
     """batches: an iterable of token-id tensors [B, T]. Returns {linear module name: InputStats}
-    and, for routed experts, {(experts module name, "w13" | "w2", expert): InputStats}."""
+    and, for routed experts, {(experts module name, "w13" | "w2", expert): InputStats}.
+    forward(batch): what runs a batch (default: the whole model on token ids; the streaming
+    quantizer runs one layer on hidden states)."""
     stats: dict = {}
     hooks, swapped = [], []
     for name, module in model.named_modules():
@@ -88,8 +90,11 @@ def collect_stats(model, batches, max_rows: int = 512, progress=None) -> dict:
             swapped.append((module, module.quant_method))
             module.quant_method = _RecordingExperts(per_expert)
     try:
-        for ids in batches:
-            model(ids, torch.arange(ids.shape[1]).expand_as(ids))
+        for batch in batches:
+            if forward is None:
+                model(batch, torch.arange(batch.shape[1]).expand_as(batch))
+            else:
+                forward(batch)
             if progress is not None:
                 progress.update(1)
     finally:

@@ -36,8 +36,27 @@ def calibration_windows(model_dir: Path, num_samples: int, seq_len: int, calib_d
 
 
 def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, opts, windows: torch.Tensor,
-                        batch_size: int = 8, show_progress: bool = True) -> dict:
-    """Load, calibrate, quantize, save. Returns a summary (also written as quantize.json)."""
+                        batch_size: int = 8, show_progress: bool = True, stream: bool = False) -> dict:
+    """Load, calibrate, quantize, save (stream: one decoder layer at a time, resumable,
+    stream.py). Returns a summary (also written as quantize.json)."""
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    if stream:
+        from matrixinfer.quant.stream import quantize_streaming
+
+        quantize_streaming(model_dir, out_dir, opts, windows, batch_size, show_progress)
+    else:
+        _quantize_in_memory(model_dir, out_dir, opts, windows, batch_size, show_progress)
+    for name in TOKENIZER_FILES:
+        if (model_dir / name).exists():
+            shutil.copy(model_dir / name, out_dir / name)
+    summary = {"source": str(model_dir), "calibration_windows": list(windows.shape), "streamed": stream,
+               "options": {k: getattr(opts, k) for k in ("naive", "smooth_alpha", "scale_search", "clip", "block_size")}}
+    (out_dir / "quantize.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _quantize_in_memory(model_dir: Path, out_dir: Path, opts, windows: torch.Tensor, batch_size: int,
+                        show_progress: bool) -> None:
     from tqdm import tqdm
 
     from matrixinfer.model.loader import load_model
@@ -46,7 +65,6 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, opts, window
     from matrixinfer.quant.compressed_tensors import config_to_dict
     from matrixinfer.quant.quantize import default_ignore, num_quantized_modules, quantize_model
 
-    model_dir, out_dir = Path(model_dir), Path(out_dir)
     model = load_model(model_dir, dtype="float32", quant_config=None)
     batches = windows.split(batch_size)
     with tqdm(total=len(batches), desc="calibrate", unit="batch", disable=not show_progress) as bar:
@@ -58,13 +76,6 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, opts, window
     hf = json.loads((model_dir / "config.json").read_text())
     hf["quantization_config"] = config_to_dict(ignore, "channel", opts.act_strategy)
     save_pretrained(qmodel, out_dir, hf, dtype=torch.bfloat16)
-    for name in TOKENIZER_FILES:
-        if (model_dir / name).exists():
-            shutil.copy(model_dir / name, out_dir / name)
-    summary = {"source": str(model_dir), "calibration_windows": list(windows.shape),
-               "options": {k: getattr(opts, k) for k in ("naive", "smooth_alpha", "scale_search", "clip", "block_size")}}
-    (out_dir / "quantize.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return summary
 
 
 def _alpha(value: str):
@@ -81,7 +92,7 @@ def cmd_quantize(args) -> int:
                            scale_search=args.scale_search == "on", clip=args.clip, block_size=args.block_size)
     model_dir = Path(args.model)
     windows = calibration_windows(model_dir, args.num_samples, args.seq_len, args.calib_data)
-    quantize_checkpoint(model_dir, args.out, opts, windows)
+    quantize_checkpoint(model_dir, args.out, opts, windows, stream=args.stream)
     print(f"wrote {args.out} (W8A8 int8, compressed-tensors layout)")
     return 0
 
@@ -102,6 +113,8 @@ def register(sub, bench_sub) -> None:
                    help="block: block-wise GPTQ error compensation; none: round to nearest")
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--naive", action="store_true", help="per-tensor min-max weights and activations (baseline)")
+    p.add_argument("--stream", action="store_true",
+                   help="one decoder layer in memory at a time (the same output), resumable: rerun after a kill")
     p.set_defaults(func=cmd_quantize)
     from matrixinfer.quant.bench import register as register_bench
 

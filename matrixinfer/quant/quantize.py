@@ -70,10 +70,12 @@ def _smooth(stats: InputStats, weights: list[torch.Tensor], fold, alpha, opts_lo
 
 
 @torch.no_grad()
-def smooth_model(model: DeepseekForCausalLM, stats: dict, alpha) -> list[tuple[str, float]]:
-    """Apply SmoothQuant to the main decoder layers in place; returns (group, alpha) chosen."""
+def smooth_model(model: DeepseekForCausalLM, stats: dict, alpha, layers=None) -> list[tuple[str, float]]:
+    """Apply SmoothQuant to the main decoder layers in place (layers: their indices, default
+    all); returns (group, alpha) chosen."""
     log: list = []
-    for i, layer in enumerate(model.model.layers):
+    for i in range(len(model.model.layers)) if layers is None else layers:
+        layer = model.model.layers[i]
         p = f"model.layers.{i}"
         attn = layer.self_attn
 
@@ -165,26 +167,35 @@ def quantize_model(model: DeepseekForCausalLM, stats: dict, opts: QuantizeOption
         smooth_model(model, stats, opts.smooth_alpha)
     qcfg = W8A8Config(ignore, cfg.num_hidden_layers, opts.act_strategy)
     qmodel = DeepseekForCausalLM(cfg, None, len(model.model.mtp) > 0, qcfg).to(model.lm_head.weight.dtype)
-    src = dict(model.named_modules())
-    for name, qmod in qmodel.named_modules():
-        method = getattr(qmod, "quant_method", None)
+    quantize_into(model, qmodel, stats, opts, progress)
+    return qmodel.eval(), ignore
+
+
+@torch.no_grad()
+def quantize_into(src: torch.nn.Module, qmod_root: torch.nn.Module, stats: dict, opts: QuantizeOptions,
+                  progress=None, prefix: str = "") -> None:
+    """Fill qmod_root (built with the W8A8 config) from its float twin src: each W8A8 layer
+    quantized (stats keyed by the full module name, prefix + its name in src), everything
+    kept in float copied."""
+    modules = dict(src.named_modules())
+    for name, qmod in qmod_root.named_modules():
+        method, full = getattr(qmod, "quant_method", None), f"{prefix}{name}"
         if isinstance(method, W8A8LinearMethod) and isinstance(qmod, LinearBase):
-            q, s = quantize_weight(src[name].weight, stats.get(name), opts)
+            q, s = quantize_weight(modules[name].weight, stats.get(full), opts)
             qmod.weight.copy_(q), qmod.weight_scale.copy_(s)
         elif isinstance(method, W8A8ExpertsMethod) and isinstance(qmod, RoutedExperts):
             for e in range(len(qmod.expert_ids)):
                 for kind in ("w13", "w2"):
-                    q, s = quantize_weight(getattr(src[name], f"{kind}_weight")[e], stats.get((name, kind, e)), opts)
+                    q, s = quantize_weight(getattr(modules[name], f"{kind}_weight")[e], stats.get((full, kind, e)), opts)
                     getattr(qmod, f"{kind}_weight")[e].copy_(q), getattr(qmod, f"{kind}_weight_scale")[e].copy_(s)
         else:
             continue
         if progress is not None:
             progress.update(1)
-    floats = dict(model.named_parameters()) | dict(model.named_buffers())
-    for name, t in list(qmodel.named_parameters()) + list(qmodel.named_buffers()):
+    floats = dict(src.named_parameters()) | dict(src.named_buffers())
+    for name, t in list(qmod_root.named_parameters()) + list(qmod_root.named_buffers()):
         if t.dtype != torch.int8 and not name.endswith("_scale"):  # everything kept in float
             t.copy_(floats[name])
-    return qmodel.eval(), ignore
 
 
 def num_quantized_modules(model: DeepseekForCausalLM, ignore: list[str]) -> int:

@@ -29,18 +29,18 @@ from matrixinfer.model.layers.quantization import (
     UnquantizedLinearMethod,
     set_weight_attrs,
 )
+from matrixinfer.model.weight_map import checkpoint_names
 from matrixinfer.quant.int8 import int_mm, int8_linear, quantize_activation
 
 ALWAYS_FLOAT = ("lm_head",)  # sensitive, and the head reads every token: stays high precision
 ABSORBED = "kv_b_proj"  # read as a float weight by the absorbed decode path (see above)
-MERGED = {"fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 def _make_scale(layer, rows: int, weight_loader, output_dim: int, leading: tuple[int, ...] = ()) -> nn.Parameter:
     """A float32 scale per output row; `owner` lets a per-tensor checkpoint scale find the
-    layer's output sizes; keep_float32 keeps it float32 when the model is cast (loader.py)."""
+    layer's output sizes; keep_dtype keeps it float32 when the model is cast (loader.py)."""
     scale = nn.Parameter(torch.empty(*leading, rows, 1, dtype=torch.float32), requires_grad=False)
-    set_weight_attrs(scale, output_dim=output_dim, weight_loader=weight_loader, owner=layer, keep_float32=True)
+    set_weight_attrs(scale, output_dim=output_dim, weight_loader=weight_loader, owner=layer, keep_dtype=torch.float32)
     return scale
 
 
@@ -173,17 +173,7 @@ class W8A8Config(QuantizationConfig):
         return False
 
     def checkpoint_names(self, prefix: str) -> list[str]:
-        """Our module prefix -> the checkpoint's module name(s): merged layers have one per
-        piece, MTP module k is layer num_hidden_layers + k, the experts are named by expert 0."""
-        m = re.match(r"model\.mtp\.(\d+)\.(.*)", prefix)
-        if m:
-            prefix = f"model.layers.{self.num_hidden_layers + int(m.group(1))}.{m.group(2)}"
-        parent, _, leaf = prefix.rpartition(".")
-        if leaf in MERGED:
-            return [f"{parent}.{piece}" for piece in MERGED[leaf]]
-        if leaf == "experts":
-            return [f"{prefix}.0.{piece}" for piece in ("gate_proj", "up_proj", "down_proj")]
-        return [prefix]
+        return checkpoint_names(prefix, self.num_hidden_layers)
 
     def _float(self, prefix: str) -> bool:
         names = self.checkpoint_names(prefix)

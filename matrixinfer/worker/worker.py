@@ -73,7 +73,7 @@ class Worker:
         self.load_report = None  # how the weights came in, with load_format "ems"
         self.report(f"loading {config.model}")
         self.model = self._load()
-        if config.quantization.method and not self.model.quantized:
+        if config.quantization.method not in (None, "fp8") and not self.model.quantized:
             raise ValueError(f"quantization={config.quantization.method!r} needs a W8A8 checkpoint; {config.model} "
                              "is not quantized (write one with `matrixinfer quantize --model DIR --out DIR`)")
         self.max_model_len = max_model_len_of(config, self.model.config.max_position_embeddings)
@@ -182,7 +182,7 @@ class Worker:
     def _load(self):
         if self.config.load_format != "ems":
             return load_model(self.config.model, dtype=self.config.dtype, device=self.device,
-                              expert_ids=self.expert_ids())
+                              expert_ids=self.expert_ids(), keep_fp8=self._keep_fp8())
         from matrixinfer.ems.client import EMSClient
         from matrixinfer.ems.model_cache import MODEL_NAMESPACE, ModelCache, ThrottledSource
 
@@ -194,9 +194,14 @@ class Worker:
             try:
                 tensors, self.load_report = cache.load()
                 return load_model(self.config.model, dtype=self.config.dtype, device=self.device, weights=tensors,
-                                  expert_ids=self.expert_ids())
+                                  expert_ids=self.expert_ids(), keep_fp8=self._keep_fp8())
             finally:
                 cache.close()
+
+    def _keep_fp8(self) -> bool | None:
+        """quantization="fp8" keeps an FP8 checkpoint's weights in FP8 whatever the dtype (None:
+        the loader's default, kept with dtype auto; loader.load_model)."""
+        return True if self.config.quantization.method == "fp8" else None
 
     def _init_distributed(self, init_method: str) -> None:
         import torch.distributed as dist
