@@ -57,8 +57,6 @@ def _circles(graph) -> list[list[str]]:
     return sorted(out, key=len, reverse=True)
 
 
-@pytest.mark.xfail(strict=True, reason="one circle left: quant/bench <-> quant/cli (quant/bench.py moves to bench/, "
-                                       "issue 52); strict, so this marker must go when it does")
 def test_no_module_is_in_an_import_circle():
     circles = _circles(grimp.build_graph("matrixinfer"))
     assert not circles, "import circles: " + "; ".join(" <-> ".join(c) for c in circles)

@@ -1,5 +1,6 @@
 """`matrixinfer bench pdc` (the colocated engine against the PDC stack; pdc_bench.py runs it) and
-`matrixinfer bench make-model` (make_model.py: a random checkpoint of a real model's shapes)."""
+`matrixinfer bench make-model` (make_model.py: a random checkpoint of a real model's shapes),
+`matrixinfer bench quant` / `int8-gemm` (quant_bench.py: the INT8 ablation and GEMM)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ def _bench_pdc(args) -> int:
 
 
 def register(sub, bench_sub) -> None:
-    from matrixinfer.bench import make_model
+    from matrixinfer.bench import make_model, quant_bench
 
     make_model.register(bench_sub)
+    quant_bench.register(bench_sub)
     p = bench_sub.add_parser("pdc", help="same load against `serve --colocated` and the PDC stack (two routers)")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"])

@@ -301,14 +301,6 @@ def _markdown(kv: list[dict], mc: list[dict], cfg: dict, out: str) -> str:
 
 
 def run_bench(args) -> int:
-    if args.huge_pages:
-        from .hugepages_bench import run_hugepages_bench
-
-        return run_hugepages_bench(args)
-    if args.replicas:
-        from .replicas_bench import run_replicas_bench
-
-        return run_replicas_bench(args)
     quick = args.quick
     sizes = SIZES if not quick else [64 << 10, 1 << 20]
     servers = [1, 2, 4] if not quick else [1, 2]

@@ -93,6 +93,15 @@ def _ns_list(args) -> int:
 
 
 def _bench(args) -> int:
+    # the variants are their own modules, picked here (they use bench.py's timers)
+    if args.huge_pages:
+        from .hugepages_bench import run_hugepages_bench
+
+        return run_hugepages_bench(args)
+    if args.replicas:
+        from .replicas_bench import run_replicas_bench
+
+        return run_replicas_bench(args)
     from .bench import run_bench
 
     return run_bench(args)

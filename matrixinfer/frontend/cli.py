@@ -31,7 +31,7 @@ def _generate(args) -> int:
 
 def _bench_engine(args) -> int:
     if args.quantization == "int8":
-        from matrixinfer.quant.bench import cmd_bench_engine_int8
+        from matrixinfer.bench.quant_bench import cmd_bench_engine_int8
 
         return cmd_bench_engine_int8(args)
     if args.batch_invariant:

@@ -116,6 +116,3 @@ def register(sub, bench_sub) -> None:
     p.add_argument("--stream", action="store_true",
                    help="one decoder layer in memory at a time (the same output), resumable: rerun after a kill")
     p.set_defaults(func=cmd_quantize)
-    from matrixinfer.quant.bench import register as register_bench
-
-    register_bench(bench_sub)

@@ -7,7 +7,7 @@ import copy
 
 import torch
 
-from matrixinfer.quant.bench import outlier_model
+from matrixinfer.bench.quant_bench import outlier_model
 from matrixinfer.quant.calibrate import collect_stats
 from matrixinfer.quant.quantize import QuantizeOptions, quantize_model, smooth_model
 
