@@ -26,10 +26,13 @@ from matrixinfer.serving import protocol as p
 from matrixinfer.serving.async_engine import EngineClient, GenerateRequest
 from matrixinfer.serving.ledger import UsageLedger
 from matrixinfer.serving.batching import best_of, merged
+from matrixinfer.serving.chat_message import MessageParser
+from matrixinfer.serving.chat_prompt import PromptError, check_tools, forced_call, template_messages
 from matrixinfer.serving.drain import Drain, DrainMiddleware
 from matrixinfer.serving.limits import LimitExceeded, Limiter, Reservation
 from matrixinfer.serving.metrics import ServingMetrics
 from matrixinfer.serving.openai_format import ChatFormatter, ChoiceStream, CompletionFormatter, Formatter, usage
+from matrixinfer.serving.reasoning import REASONING_PARSERS
 from matrixinfer.serving.tenants import ANONYMOUS, Tenant, TenantStore
 
 MAX_STOP_STRINGS = 4
@@ -55,7 +58,8 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
     loc = [str(x) for x in err.get("loc", ()) if x != "body"]
     # pydantic reports union members as extra loc parts (e.g. prompt.str); keep the field path
     loc = [x for x in loc if x not in ("str", "list[int]", "list[str]", "list[list[int]]", "list[TextPart]", "int",
-                                       "float") and not x.startswith("function-")]
+                                       "float") and not x.startswith(("function-", "literal["))
+           and not x[:1].isupper()]  # a union member's tag (a model's class name), not a field
     param = ".".join(loc) or None
     if err.get("type") == "extra_forbidden":
         message = f"Unrecognized request argument supplied: {param}"
@@ -73,8 +77,12 @@ _GENERATE_RESPONSES = {**_ERRORS, 200: {"content": {"text/event-stream": {"schem
 class TokenService:
     """The state behind the routes: the engine, tenants, ledger, limiter and metrics."""
 
-    def __init__(self, engine: EngineClient, tenants: TenantStore | None = None, ledger: UsageLedger | None = None):
+    def __init__(self, engine: EngineClient, tenants: TenantStore | None = None, ledger: UsageLedger | None = None,
+                 reasoning_parser: str | None = None):
+        if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"unknown reasoning parser {reasoning_parser!r}; known: {', '.join(REASONING_PARSERS)}")
         self.engine = engine
+        self.reasoning_parser = reasoning_parser
         self.tenants = tenants
         self.ledger = ledger
         self.limiter = Limiter(ledger)
@@ -126,20 +134,37 @@ class TokenService:
             raise APIError(400, f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}", param="prompt")
         return [self.tokenize_prompt(x, param=f"prompt.{i}") for i, x in enumerate(prompt)]
 
-    def chat_prompt(self, messages: list[p.ChatMessage]) -> list[int]:
+    def chat_prompt(self, messages: list[p.ChatMessage], tools: list[p.Tool] | None = None,
+                    prefill: str = "") -> list[int]:
+        """Token ids of the templated conversation (and `tools`), ending with the assistant's
+        turn opened and `prefill` (a forced tool call's opening)."""
         tok = self.engine.tokenizer
         if tok is None or not tok.chat_template:
             raise APIError(400, "this model has no chat template: use /v1/completions", param="messages")
-        msgs = []
-        for m in messages:
-            content = m.content if isinstance(m.content, str) else "".join(part.text for part in m.content or [])
-            msgs.append({"role": m.role, "content": content, **({"name": m.name} if m.name else {})})
+        native = "tool_calls" in tok.chat_template  # the template renders tool calls itself
         try:
-            text = tok.apply_chat_template(msgs, add_generation_prompt=True)
+            check_tools(tools)
+            msgs = template_messages(messages, tools, native)
+        except PromptError as e:
+            raise APIError(400, str(e), param=e.param) from e
+        try:
+            text = tok.apply_chat_template(msgs, add_generation_prompt=True,
+                                           tools=[t.model_dump() for t in tools] if tools and native else None)
         except Exception as e:  # the template's own raise_exception(), or a bad template
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from e
         # the template already placed bos where it belongs: do not add another
-        return self.tokenize_prompt(text, param="messages", add_special_tokens=False)
+        return self.tokenize_prompt(text + prefill, param="messages", add_special_tokens=False)
+
+    def message_parser(self, body: p.ChatCompletionRequest) -> tuple[MessageParser, list[p.Tool] | None]:
+        """How the request's output is read, and the tools its prompt shows (none with
+        tool_choice "none": the model is not offered them)."""
+        tools = body.tools if body.tool_choice != "none" else None
+        try:
+            prefill = forced_call(body.tool_choice, body.tools)
+        except PromptError as e:
+            raise APIError(400, str(e), param=e.param) from e
+        return MessageParser(reasoning=self.reasoning_parser is not None, tools=bool(tools),
+                             parallel_tool_calls=body.parallel_tool_calls is not False, prefill=prefill), tools
 
     def sampling_params(self, body: p._SamplingRequest, prompt_len: int, max_tokens: int | None,
                         logprobs: int | None, prompt_param: str) -> SamplingParams:
@@ -260,12 +285,14 @@ class TokenService:
                     for out, cs in zip(meter.last.outputs, choices):
                         d = cs.delta(out)
                         if d is not None and (d[0] or d[2] or fmt.num_logprobs is not None):
-                            yield _sse(fmt.chunk([fmt.choice(out, *d, delta=True)]), include_usage)
+                            c = fmt.choice(out, *d, delta=True)
+                            if c is not None:  # None: the parsers hold all of the new text back
+                                yield _sse(fmt.chunk([c]), include_usage)
                     if meter.last.finished:
                         break
                     meter.last = await anext(stream)
             if include_usage:
-                yield f"data: {json.dumps(fmt.chunk([], usage(meter.last), with_usage=True))}\n\n"
+                yield f"data: {json.dumps(fmt.chunk([], fmt.usage(meter.last), with_usage=True))}\n\n"
         except Exception as e:  # the engine failed mid-stream: say so in the stream, then end it
             err = {"error": {"message": f"generation failed: {e}", "type": "server_error", "param": None,
                              "code": None}}
@@ -310,12 +337,13 @@ class _Meter:
 
 
 def build_app(engine: EngineClient, tenants: TenantStore | None = None, ledger: UsageLedger | None = None,
-              own_engine: bool = False) -> FastAPI:
+              own_engine: bool = False, reasoning_parser: str | None = None) -> FastAPI:
     """The HTTP app over `engine`. Without a tenant store (or with one holding no keys) every
     request is served as the anonymous tenant. With `own_engine` the app's lifespan shuts the
     engine down when the server stops (what `matrixinfer serve` does). `app.state.drain` is
-    the graceful-shutdown switch (drain.py)."""
-    service = TokenService(engine, tenants, ledger)
+    the graceful-shutdown switch (drain.py). `reasoning_parser` (reasoning.py) splits chat
+    answers into reasoning_content and content."""
+    service = TokenService(engine, tenants, ledger, reasoning_parser)
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -378,11 +406,13 @@ def build_app(engine: EngineClient, tenants: TenantStore | None = None, ledger: 
             raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
         if body.max_tokens is not None and body.max_completion_tokens is not None:
             raise APIError(400, "give max_tokens or max_completion_tokens, not both", param="max_completion_tokens")
-        ids = service.chat_prompt(body.messages)
+        parser, tools = service.message_parser(body)
+        ids = service.chat_prompt(body.messages, tools, parser.prefill)
         num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = service.sampling_params(body, len(ids), body.max_completion_tokens or body.max_tokens,
                                          num_logprobs, "messages")
-        fmt = ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", engine.model_name, engine.tokenizer, num_logprobs)
+        fmt = ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", engine.model_name, engine.tokenizer, num_logprobs,
+                            parser)
         return await service.generate(raw, tenant, body, [ids], params, fmt, "messages")
 
     @app.get("/v1/models", response_model=p.ModelList, responses=_ERRORS)
@@ -396,7 +426,7 @@ def build_app(engine: EngineClient, tenants: TenantStore | None = None, ledger: 
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", param="prompt")
         if body.messages is not None:
-            ids = service.chat_prompt(body.messages)
+            ids = service.chat_prompt(body.messages, body.tools)
         else:
             if engine.tokenizer is None:
                 raise APIError(400, "this model has no tokenizer", param="prompt")

@@ -70,10 +70,48 @@ class TextPart(_Request):
     text: str
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str = Field(..., description="the arguments as a JSON string, as the model wrote them")
+
+
+class ToolCall(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="assistant only: the calls it made")
+    tool_call_id: str | None = Field(None, description="tool only: the call this message answers")
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = Field(None, description="JSON schema of the arguments (shown to the model; not "
+                                    "enforced: there is no constrained decoding yet)")
+    strict: bool | None = Field(None, description="accepted; arguments are not validated against the schema yet")
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+MAX_TOOLS = 128
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -81,12 +119,17 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1, description="same as max_tokens (newer name)")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="default auto with tools; required / a named function open the call in the prompt")
+    parallel_tool_calls: bool | None = Field(None, description="false: only the first call is returned")
 
 
 class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     add_special_tokens: bool = True
 
 
@@ -100,11 +143,16 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -145,9 +193,17 @@ class ChoiceLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: dict
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ResponseToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
