@@ -150,9 +150,9 @@ class ChatFormatter(Formatter):
 
     def usage(self, out: RequestOutput) -> dict:
         body = usage(out)
-        if self.parser.reasoning and not self.parser.prefill and self.tokenizer is not None:
-            body["completion_tokens_details"] = {
-                "reasoning_tokens": sum(reasoning_tokens(o.token_ids, self.tokenizer) for o in out.outputs)}
+        if self.parser.reasoning and self.tokenizer is not None:  # a forced call (prefill) is not thought
+            body["completion_tokens_details"] = {"reasoning_tokens": 0 if self.parser.prefill else sum(
+                reasoning_tokens(o.token_ids, self.tokenizer) for o in out.outputs)}
         return body
 
     def _entry(self, token_id: int, logprob: float) -> dict:
