@@ -29,37 +29,27 @@ from matrixinfer.serving.batching import best_of, merged
 from matrixinfer.serving.chat_message import MessageParser
 from matrixinfer.serving.chat_prompt import PromptError, check_tools, forced_call, template_messages
 from matrixinfer.serving.drain import Drain, DrainMiddleware
+from matrixinfer.serving.errors import APIError, error_response
 from matrixinfer.serving.limits import LimitExceeded, Limiter, Reservation
 from matrixinfer.serving.metrics import ServingMetrics
 from matrixinfer.serving.openai_format import ChatFormatter, ChoiceStream, CompletionFormatter, Formatter, usage
 from matrixinfer.serving.reasoning import REASONING_PARSERS
+from matrixinfer.serving.responses import ResponseStore, create_response
 from matrixinfer.serving.tenants import ANONYMOUS, Tenant, TenantStore
 
 MAX_STOP_STRINGS = 4
 MAX_PROMPTS = 64  # prompts in one batched completions request
 
 
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error", headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
-        self.headers = headers
-
-
-def error_response(status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                   code: str | None = None, headers: dict | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": type, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
 def _validation_error(exc: RequestValidationError) -> JSONResponse:
-    err = exc.errors()[0]
+    # a union reports an error per member: the deepest one is where the value went wrong
+    # (input: [{"role": "robot"}] fails as a string and, at input.0.role, as a list of messages)
+    err = max(exc.errors(), key=lambda e: len(e.get("loc", ())))
     loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-    # pydantic reports union members as extra loc parts (e.g. prompt.str); keep the field path
-    loc = [x for x in loc if x not in ("str", "list[int]", "list[str]", "list[list[int]]", "list[TextPart]", "int",
-                                       "float") and not x.startswith(("function-", "literal["))
-           and not x[:1].isupper()]  # a union member's tag (a model's class name), not a field
+    # pydantic reports union members as extra loc parts (prompt.str, tool_choice.NamedToolChoice,
+    # input.list[InputMessage]); keep the field path
+    loc = [x for x in loc if x not in ("str", "int", "float", "bool") and "[" not in x
+           and not x.startswith("function-") and not x[:1].isupper()]
     param = ".".join(loc) or None
     if err.get("type") == "extra_forbidden":
         message = f"Unrecognized request argument supplied: {param}"
@@ -83,6 +73,7 @@ class TokenService:
             raise ValueError(f"unknown reasoning parser {reasoning_parser!r}; known: {', '.join(REASONING_PARSERS)}")
         self.engine = engine
         self.reasoning_parser = reasoning_parser
+        self.responses = ResponseStore()  # for the Responses API's previous_response_id
         self.tenants = tenants
         self.ledger = ledger
         self.limiter = Limiter(ledger)
@@ -138,6 +129,12 @@ class TokenService:
                     prefill: str = "") -> list[int]:
         """Token ids of the templated conversation (and `tools`), ending with the assistant's
         turn opened and `prefill` (a forced tool call's opening)."""
+        # the template already placed bos where it belongs: do not add another
+        return self.tokenize_prompt(self.chat_text(messages, tools) + prefill, param="messages",
+                                    add_special_tokens=False)
+
+    def chat_text(self, messages: list[p.ChatMessage], tools: list[p.Tool] | None = None,
+                  add_generation_prompt: bool = True) -> str:
         tok = self.engine.tokenizer
         if tok is None or not tok.chat_template:
             raise APIError(400, "this model has no chat template: use /v1/completions", param="messages")
@@ -148,12 +145,10 @@ class TokenService:
         except PromptError as e:
             raise APIError(400, str(e), param=e.param) from e
         try:
-            text = tok.apply_chat_template(msgs, add_generation_prompt=True,
+            return tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt,
                                            tools=[t.model_dump() for t in tools] if tools and native else None)
         except Exception as e:  # the template's own raise_exception(), or a bad template
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from e
-        # the template already placed bos where it belongs: do not add another
-        return self.tokenize_prompt(text + prefill, param="messages", add_special_tokens=False)
 
     def message_parser(self, body: p.ChatCompletionRequest) -> tuple[MessageParser, list[p.Tool] | None]:
         """How the request's output is read, and the tools its prompt shows (none with
@@ -226,11 +221,11 @@ class TokenService:
         return ids
 
     # -- generation -----------------------------------------------------------------------------
-    async def generate(self, raw: Request, tenant: Tenant, body: p._SamplingRequest, prompts: list[list[int]],
-                       params: SamplingParams, fmt: Formatter, prompt_param: str, keep: int | None = None) -> Response:
-        """Run `prompts` (one engine request each, `params.n` choices each) as one API request.
-        `keep`: return only this many choices per prompt, those of highest cumulative logprob
-        (best_of; every generated token is still metered)."""
+    async def start(self, tenant: Tenant, user: str | None, request_id: str, prompts: list[list[int]],
+                    params: SamplingParams, prompt_param: str):
+        """Admit `prompts` (one engine request each, `params.n` choices each) against the
+        tenant's limits and start them: (the merged output stream, its meter holding the first
+        output). Refusals (limits, the engine's own checks) are APIErrors."""
         try:
             reservation = self.limiter.admit(tenant, sum(map(len, prompts)), len(prompts) * params.n * params.max_tokens)
         except LimitExceeded as e:
@@ -238,10 +233,10 @@ class TokenService:
             raise APIError(429, str(e), code=e.code, type="rate_limit_error" if e.code != "insufficient_quota"
                            else "insufficient_quota", headers={"Retry-After": str(e.retry_after)}) from e
         arrival = time.monotonic()
-        ids = [fmt.request_id] if len(prompts) == 1 else [f"{fmt.request_id}-{i}" for i in range(len(prompts))]
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         streams = [self.engine.generate(GenerateRequest(rid, prompt, params, namespace=tenant.name, arrival_time=arrival))
                    for rid, prompt in zip(ids, prompts)]
-        stream = streams[0] if len(streams) == 1 else merged(fmt.request_id, streams)
+        stream = streams[0] if len(streams) == 1 else merged(request_id, streams)
         try:
             first = await anext(stream)
         except ValueError as e:  # the engine's own checks refused the request
@@ -252,11 +247,12 @@ class TokenService:
             await stream.aclose()
             self.limiter.finish(tenant, 0, 0, reservation)
             raise APIError(500, f"generation failed: {e}", type="server_error") from e
-        meter = _Meter(self, tenant, body.user, arrival, first, reservation)
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._events(stream, meter, fmt, params, len(prompts) * params.n, include_usage),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return stream, _Meter(self, tenant, user, arrival, first, reservation)
+
+    @staticmethod
+    async def collect(raw: Request, stream, meter: "_Meter") -> None:
+        """Read `stream` to its last output (or until the client leaves: the request is
+        aborted), then meter it."""
         async with aclosing(stream):
             try:
                 while not meter.last.finished:
@@ -267,6 +263,18 @@ class TokenService:
                 meter.close()
                 raise APIError(500, f"generation failed: {e}", type="server_error") from e
         meter.close()
+
+    async def generate(self, raw: Request, tenant: Tenant, body: p._SamplingRequest, prompts: list[list[int]],
+                       params: SamplingParams, fmt: Formatter, prompt_param: str, keep: int | None = None) -> Response:
+        """Run `prompts` as one API request, answered as `fmt` shapes it.
+        `keep`: return only this many choices per prompt, those of highest cumulative logprob
+        (best_of; every generated token is still metered)."""
+        stream, meter = await self.start(tenant, body.user, fmt.request_id, prompts, params, prompt_param)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(self._events(stream, meter, fmt, params, len(prompts) * params.n, include_usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        await self.collect(raw, stream, meter)
         if keep is None:
             return JSONResponse(fmt.response(meter.last))
         body = fmt.response(best_of(meter.last, params.n, keep))
@@ -414,6 +422,14 @@ def build_app(engine: EngineClient, tenants: TenantStore | None = None, ledger: 
         fmt = ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", engine.model_name, engine.tokenizer, num_logprobs,
                             parser)
         return await service.generate(raw, tenant, body, [ids], params, fmt, "messages")
+
+    @app.post("/v1/responses", responses=_GENERATE_RESPONSES)
+    async def responses(body: p.ResponsesRequest, raw: Request, tenant: Tenant = Depends(tenant_of)):
+        return await create_response(service, raw, tenant, body)
+
+    @app.get("/v1/responses/{response_id}", responses=_ERRORS)
+    async def get_response(response_id: str, tenant: Tenant = Depends(tenant_of)):
+        return service.responses.get(response_id, tenant.name, param="response_id").body
 
     @app.get("/v1/models", response_model=p.ModelList, responses=_ERRORS)
     async def models(_: Tenant = Depends(tenant_of)):

@@ -125,6 +125,53 @@ class ChatCompletionRequest(_SamplingRequest):
     parallel_tool_calls: bool | None = Field(None, description="false: only the first call is returned")
 
 
+# -- the Responses API ------------------------------------------------------------------------------
+class InputText(_Request):
+    type: Literal["input_text", "output_text"]  # output_text: an earlier answer sent back as input
+    text: str
+    annotations: list | None = None
+
+
+class InputMessage(_Request):
+    type: Literal["message"] = "message"
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[InputText]
+    id: str | None = None  # as sent back from an earlier response's output
+    status: str | None = None
+
+
+class TextFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextConfig(_Request):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(_Request):
+    model: str | None = None
+    input: str | list[InputMessage] = Field(..., description="text (a user message) or messages")
+    instructions: str | None = Field(None, description="a system message before the input, for this turn only")
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stream: bool = False
+    previous_response_id: str | None = Field(None, description="continue that response's conversation (its "
+                                             "tokens are reused from the prefix cache)")
+    store: bool = Field(True, description="keep the response (in memory) for previous_response_id and GET")
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+    user: str | None = Field(None, max_length=256)
+    text: TextConfig | None = Field(None, description="only format text: JSON formats are refused")
+    tools: list[dict] | None = Field(None, description="refused unless empty: use /v1/chat/completions for tools")
+    tool_choice: Literal["none", "auto"] | None = None
+    parallel_tool_calls: bool | None = None
+    truncation: Literal["disabled"] | None = None
+
+
 class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
