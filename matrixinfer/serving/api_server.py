@@ -35,6 +35,7 @@ from matrixinfer.serving.metrics import ServingMetrics
 from matrixinfer.serving.openai_format import ChatFormatter, ChoiceStream, CompletionFormatter, Formatter, usage
 from matrixinfer.serving.reasoning import REASONING_PARSERS
 from matrixinfer.serving.responses import ResponseStore, create_response
+from matrixinfer.serving.structured import request_structure, tool_call_structure
 from matrixinfer.serving.tenants import ANONYMOUS, Tenant, TenantStore
 
 MAX_STOP_STRINGS = 4
@@ -178,10 +179,7 @@ class TokenService:
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
             raise APIError(400, f"stop must be at most {MAX_STOP_STRINGS} non-empty strings", param="stop")
-        if body.response_format is not None and body.response_format.type != "text":
-            raise APIError(400, f"response_format {body.response_format.type!r} is not supported: this server has no "
-                                "constrained (JSON) decoding; use {\"type\": \"text\"} or leave it out",
-                           param="response_format", code="unsupported_parameter")
+        structure = request_structure(body)
         try:
             return SamplingParams(
                 n=body.n, temperature=1.0 if body.temperature is None else body.temperature,
@@ -192,7 +190,7 @@ class TokenService:
                 repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
                 logit_bias=self._token_map(body.logit_bias), stop_token_ids=self._token_ids(body.stop_token_ids),
                 include_stop_str_in_output=body.include_stop_str_in_output,
-                skip_special_tokens=body.skip_special_tokens,
+                skip_special_tokens=body.skip_special_tokens, structured_outputs=structure,
             )
         except ValueError as e:
             raise APIError(400, str(e)) from e
@@ -419,6 +417,11 @@ def build_app(engine: EngineClient, tenants: TenantStore | None = None, ledger: 
         num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = service.sampling_params(body, len(ids), body.max_completion_tokens or body.max_tokens,
                                          num_logprobs, "messages")
+        if parser.prefill:  # a forced call: its arguments follow the function's schema
+            if params.structured_outputs is not None:
+                raise APIError(400, "a forced tool call (tool_choice required or named) takes no other structured "
+                                    "output", param="tool_choice")
+            params = replace(params, structured_outputs=tool_call_structure(body.tool_choice, body.tools))
         fmt = ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", engine.model_name, engine.tokenizer, num_logprobs,
                             parser)
         return await service.generate(raw, tenant, body, [ids], params, fmt, "messages")

@@ -43,8 +43,13 @@ class _SamplingRequest(_Request):
     frequency_penalty: float | None = Field(None, ge=-2, le=2, description="subtracted per occurrence in the output")
     logit_bias: dict[str, float] | None = Field(None, description="token id (as a string) -> bias in [-100, 100] "
                                                 "added to its logit")
-    response_format: ResponseFormat | None = Field(None, description="only {\"type\": \"text\"}: JSON modes are "
-                                                   "refused with a 400")
+    response_format: ResponseFormat | None = Field(None, description="text, json_object, or json_schema "
+                                                   "({\"json_schema\": {\"name\", \"schema\", \"strict\"}}): "
+                                                   "the output is constrained to the grammar")
+    guided_json: dict | str | None = Field(None, description="vLLM extension: a JSON schema the output matches")
+    guided_regex: str | None = Field(None, description="vLLM extension: a regex the output matches")
+    guided_choice: list[str] | None = Field(None, description="vLLM extension: the output is one of these strings")
+    guided_grammar: str | None = Field(None, description="vLLM extension: an EBNF grammar (xgrammar's dialect)")
     # vLLM's extensions (its OpenAI server accepts them; `vllm bench serve` sends repetition_penalty)
     ignore_eos: bool = Field(False, description="vLLM extension: keep generating past end-of-sequence")
     repetition_penalty: float | None = Field(None, gt=0, description="vLLM extension: >1 discourages tokens of the "
@@ -92,9 +97,10 @@ class ChatMessage(_Request):
 class FunctionDefinition(_Request):
     name: str = Field(..., pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
-    parameters: dict | None = Field(None, description="JSON schema of the arguments (shown to the model; not "
-                                    "enforced: there is no constrained decoding yet)")
-    strict: bool | None = Field(None, description="accepted; arguments are not validated against the schema yet")
+    parameters: dict | None = Field(None, description="JSON schema of the arguments (shown to the model; the "
+                                    "grammar of a forced call's arguments)")
+    strict: bool | None = Field(None, description="accepted; a forced call's arguments always follow the schema, "
+                                "an auto call's are not constrained")
 
 
 class Tool(_Request):
@@ -165,7 +171,7 @@ class ResponsesRequest(_Request):
     store: bool = Field(True, description="keep the response (in memory) for previous_response_id and GET")
     metadata: dict[str, str] | None = Field(None, max_length=16)
     user: str | None = Field(None, max_length=256)
-    text: TextConfig | None = Field(None, description="only format text: JSON formats are refused")
+    text: TextConfig | None = Field(None, description="format: text, json_object or json_schema (structured outputs)")
     tools: list[dict] | None = Field(None, description="refused unless empty: use /v1/chat/completions for tools")
     tool_choice: Literal["none", "auto"] | None = None
     parallel_tool_calls: bool | None = None

@@ -75,13 +75,17 @@ def check_request(body: p.ResponsesRequest) -> None:
     if body.tools:
         raise APIError(400, "tools on /v1/responses are not supported yet: use /v1/chat/completions",
                        param="tools", code="unsupported_parameter")
-    fmt = body.text.format if body.text else None
-    if fmt is not None and fmt.type != "text":
-        raise APIError(400, f"text.format {fmt.type!r} is not supported: this server has no constrained (JSON) "
-                            "decoding; use {\"type\": \"text\"} or leave it out", param="text.format",
-                       code="unsupported_parameter")
     if isinstance(body.input, list) and not body.input:
         raise APIError(400, "input is an empty list", param="input")
+
+
+def _format(body: p.ResponsesRequest) -> p.ResponseFormat | None:
+    """`text.format` in chat's `response_format` shape (the same structured outputs)."""
+    fmt = body.text.format if body.text else None
+    if fmt is None or fmt.type == "text":
+        return None
+    return p.ResponseFormat(type=fmt.type, json_schema={"name": fmt.name, "schema": fmt.schema_}
+                            if fmt.type == "json_schema" else None)
 
 
 def _system(instructions: str | None) -> list[p.ChatMessage]:
@@ -144,7 +148,9 @@ class ResponseFormatter:
             "output": [] if out is None else [self.message(out.outputs[0].text, "incomplete" if cut else "completed")],
             "parallel_tool_calls": r.parallel_tool_calls is not False, "previous_response_id": r.previous_response_id,
             "store": r.store, "temperature": 1.0 if r.temperature is None else r.temperature,
-            "top_p": 1.0 if r.top_p is None else r.top_p, "text": {"format": {"type": "text"}},
+            "top_p": 1.0 if r.top_p is None else r.top_p,
+            "text": {"format": r.text.format.model_dump(by_alias=True, exclude_none=True)
+                     if r.text and r.text.format else {"type": "text"}},
             "tool_choice": r.tool_choice or "auto", "tools": [], "truncation": "disabled",
             "usage": None if out is None else _usage(out), "user": r.user, "metadata": r.metadata or {},
         }
@@ -202,8 +208,13 @@ async def create_response(service: "TokenService", raw: Request, tenant: Tenant,
         history = service.chat_text(_system(prev.instructions) + prev.messages, add_generation_prompt=False)
         ids = continued_prompt(prev, history, full, tok.eos_token, encode)
     ids = ids if ids is not None else encode(full)
-    params = service.sampling_params(p._SamplingRequest(temperature=body.temperature, top_p=body.top_p), len(ids),
-                                     body.max_output_tokens, None, "input")
+    sampling = p._SamplingRequest(temperature=body.temperature, top_p=body.top_p, response_format=_format(body))
+    try:
+        params = service.sampling_params(sampling, len(ids), body.max_output_tokens, None, "input")
+    except APIError as e:  # name this API's field
+        if e.param and e.param.startswith("response_format"):
+            e.param = "text.format"
+        raise
     fmt = ResponseFormatter(body, service.engine.model_name, params.max_tokens)
 
     def done(out: RequestOutput, final: dict) -> None:

@@ -57,6 +57,22 @@ def bundled_engine():
     eng.shutdown()
 
 
+@pytest.fixture(scope="module")
+def bundled_server(bundled_engine):
+    """A plain server (no keys) over the bundled engine."""
+    server = LiveServer(build_app(bundled_engine))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def bundled_client(bundled_server):
+    """The official `openai` client of bundled_server."""
+    import openai
+
+    return openai.OpenAI(base_url=bundled_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
 def start_service(engine, db_path):
     """(server, tenants, ledger) for an app over `engine` with its own key/ledger database."""
     tenants, ledger = TenantStore(db_path), UsageLedger(db_path)

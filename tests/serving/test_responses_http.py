@@ -32,8 +32,8 @@ def client(keyed):
 
 
 def _create(client, **kw):
-    return client.responses.create(model="tiny-moe", instructions=INSTRUCTIONS, temperature=0, max_output_tokens=12,
-                                   **{"input": INPUT, **kw})
+    return client.responses.create(**{"model": "tiny-moe", "instructions": INSTRUCTIONS, "temperature": 0,
+                                      "max_output_tokens": 12, "input": INPUT, **kw})
 
 
 def test_response_object_matches_chat(client):
@@ -100,8 +100,9 @@ def test_store_false_is_not_kept(client):
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a", "schema": {"type": "object"}}}},
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a", "schema": {"type": "objekt"}}}},
      "text.format"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a"}}}, "text.format"),
     ({"input": "x", "tools": [{"type": "function", "name": "f"}]}, "tools"),
     ({"input": []}, "input"),
     ({"input": [{"role": "robot", "content": "x"}]}, "input.0.role"),
@@ -114,3 +115,16 @@ def test_malformed_requests_are_400s_naming_the_field(keyed, body, param):
     key = keyed[1][0].api_key
     r = httpx.post(server.url + "/v1/responses", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_text_format_json_schema_constrains_the_answer(client):
+    """text.format json_schema: the answer parses and validates (structured outputs, as chat's
+    response_format); the response echoes the format."""
+    import json
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    r = _create(client, temperature=1.0, max_output_tokens=30,
+                text={"format": {"type": "json_schema", "name": "flag", "schema": schema, "strict": True}})
+    assert r.status == "completed" and json.loads(r.output_text) in ({"ok": True}, {"ok": False})
+    assert r.text.format.type == "json_schema" and r.text.format.name == "flag"

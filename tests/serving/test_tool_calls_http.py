@@ -1,15 +1,12 @@
-"""Tool calls through the real server with the official `openai` client, on the bundled model
-(which has never seen a tool call: the tests check what the server renders and how it reads
+"""Tool calls through the real bundled_server with the official `openai` bundled_client, on the bundled model
+(which has never seen a tool call: the tests check what the bundled_server renders and how it reads
 and shapes the output; tests/serving/test_tool_parsers.py checks the parsing itself)."""
 
 import json
 
 import httpx
-import openai
 import pytest
 
-from matrixinfer.serving import build_app
-from tests.serving.conftest import LiveServer
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
@@ -18,44 +15,32 @@ USER = [{"role": "user", "content": "weather in Paris?"}]
 GREEDY = dict(model="tiny-moe", max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
 
 
-@pytest.fixture(scope="module")
-def server(bundled_engine):
-    s = LiveServer(build_app(bundled_engine))
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-def _tokens(server, **body):
-    r = httpx.post(server.url + "/tokenize", json=body, timeout=30)
+def _tokens(bundled_server, **body):
+    r = httpx.post(bundled_server.url + "/tokenize", json=body, timeout=30)
     assert r.status_code == 200, r.text
     return r.json()["tokens"]
 
 
-def _error(server, body):
-    r = httpx.post(server.url + "/v1/chat/completions", json={"max_tokens": 2, **body}, timeout=30)
+def _error(bundled_server, body):
+    r = httpx.post(bundled_server.url + "/v1/chat/completions", json={"max_tokens": 2, **body}, timeout=30)
     assert r.status_code == 400, r.text
     return r.json()["error"]
 
 
-def test_tools_are_rendered_into_the_prompt(client, server, bundled_engine):
+def test_tools_are_rendered_into_the_prompt(bundled_client, bundled_server, bundled_engine):
     """With tools the prompt holds their DeepSeek-V3 description (what /tokenize shows), and
     with tool_choice "none" it does not."""
-    with_tools = _tokens(server, messages=USER, tools=[WEATHER])
-    plain = _tokens(server, messages=USER)
+    with_tools = _tokens(bundled_server, messages=USER, tools=[WEATHER])
+    plain = _tokens(bundled_server, messages=USER)
     text = bundled_engine.tokenizer.decode(with_tools, skip_special_tokens=False)
     assert "### get_weather" in text and "<｜tool▁calls▁begin｜>" in text and len(with_tools) > len(plain)
-    r = client.chat.completions.create(messages=USER, tools=[WEATHER], **GREEDY)
+    r = bundled_client.chat.completions.create(messages=USER, tools=[WEATHER], **GREEDY)
     assert r.usage.prompt_tokens == len(with_tools)
-    r = client.chat.completions.create(messages=USER, tools=[WEATHER], tool_choice="none", **GREEDY)
+    r = bundled_client.chat.completions.create(messages=USER, tools=[WEATHER], tool_choice="none", **GREEDY)
     assert r.usage.prompt_tokens == len(plain) and r.choices[0].message.tool_calls is None
 
 
-def test_history_with_calls_and_results_is_rendered(client, server, bundled_engine):
+def test_history_with_calls_and_results_is_rendered(bundled_client, bundled_server, bundled_engine):
     """An assistant turn with tool_calls and the tool results answering it are accepted and
     rendered in DeepSeek-V3's format, results in the order of the calls."""
     msgs = USER + [
@@ -64,27 +49,27 @@ def test_history_with_calls_and_results_is_rendered(client, server, bundled_engi
             {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
         {"role": "tool", "tool_call_id": "call_2", "content": "noon"}]
-    text = bundled_engine.tokenizer.decode(_tokens(server, messages=msgs, tools=[WEATHER, TIME]),
+    text = bundled_engine.tokenizer.decode(_tokens(bundled_server, messages=msgs, tools=[WEATHER, TIME]),
                                            skip_special_tokens=False)
     assert 'get_weather\n```json\n{"city": "Paris"}\n```<｜tool▁call▁end｜>' in text
     # the two results are one tool turn (the bundled template prefixes its lines with "# ")
     assert text.count("<｜tool▁outputs▁begin｜>") == 1 and text.index("sunny") < text.index("noon")
     assert "<｜tool▁output▁begin｜>sunny<｜tool▁output▁end｜>" in text
-    r = client.chat.completions.create(messages=msgs, tools=[WEATHER, TIME], **GREEDY)
+    r = bundled_client.chat.completions.create(messages=msgs, tools=[WEATHER, TIME], **GREEDY)
     assert r.choices[0].message.role == "assistant"
 
 
-def test_named_tool_choice_returns_that_call(client):
+def test_named_tool_choice_returns_that_call(bundled_client):
     """A named tool_choice always answers with a call of that function; its arguments are what
     the model wrote (the tiny model writes no JSON), the same streamed as not."""
     kw = dict(messages=USER, tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_time"}},
               **GREEDY)
-    r = client.chat.completions.create(**kw)
+    r = bundled_client.chat.completions.create(**kw)
     msg = r.choices[0].message
     assert msg.content is None and [c.function.name for c in msg.tool_calls] == ["get_time"]
     assert msg.tool_calls[0].id.startswith("call_") and msg.tool_calls[0].type == "function"
     assert r.choices[0].finish_reason in ("length", "tool_calls")
-    chunks = list(client.chat.completions.create(stream=True, **kw))
+    chunks = list(bundled_client.chat.completions.create(stream=True, **kw))
     calls = [c for ch in chunks if ch.choices for c in ch.choices[0].delta.tool_calls or []]
     assert calls[0].index == 0 and calls[0].id and calls[0].function.name == "get_time"
     assert {c.index for c in calls} == {0} and sum(1 for c in calls if c.id) == 1
@@ -92,15 +77,15 @@ def test_named_tool_choice_returns_that_call(client):
     assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
 
 
-def test_required_with_one_tool_calls_it(client):
+def test_required_with_one_tool_calls_it(bundled_client):
     """tool_choice "required" with a single tool forces a call of it."""
-    r = client.chat.completions.create(messages=USER, tools=[WEATHER], tool_choice="required", **GREEDY)
+    r = bundled_client.chat.completions.create(messages=USER, tools=[WEATHER], tool_choice="required", **GREEDY)
     assert [c.function.name for c in r.choices[0].message.tool_calls] == ["get_weather"]
 
 
-def test_auto_without_a_call_is_plain_content(client):
+def test_auto_without_a_call_is_plain_content(bundled_client):
     """tool_choice auto and an answer without the call format: content, no tool_calls."""
-    r = client.chat.completions.create(messages=USER, tools=[WEATHER], **GREEDY)
+    r = bundled_client.chat.completions.create(messages=USER, tools=[WEATHER], **GREEDY)
     assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
 
 
@@ -118,7 +103,7 @@ def test_auto_without_a_call_is_plain_content(client):
     ({"messages": USER, "tools": [{"type": "retrieval"}]}, "tools.0.type"),
     ({"messages": USER, "tool_choice": "sometimes"}, "tool_choice"),
 ])
-def test_malformed_tool_requests_are_400s_naming_the_field(server, body, param):
+def test_malformed_tool_requests_are_400s_naming_the_field(bundled_server, body, param):
     """Each malformed tools request is a 400 whose param points at the fault."""
-    err = _error(server, body)
+    err = _error(bundled_server, body)
     assert err["param"] == param, err
