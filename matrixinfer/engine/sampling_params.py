@@ -28,6 +28,9 @@ class StructuredOutputsParams:
     # one of several (literal prefix, JSON schema) pairs: a call of one of several tools
     alternatives: tuple[tuple[str, str], ...] | None = None
     suffix: str = ""  # literal text that must follow the structure (a tool call's end marker)
+    # tokens of the output that this engine gets as part of its prompt (a decode instance
+    # continuing what prefill sampled): the grammar has already read them
+    accepted: tuple[int, ...] = ()
 
     def __post_init__(self):
         given = sum(x is not None for x in (self.json, self.regex, self.choice, self.grammar, self.alternatives))

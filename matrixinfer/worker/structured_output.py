@@ -84,6 +84,7 @@ class GrammarMasks:
         import xgrammar as xgr
 
         matcher, done = self.matchers.get(request_id) or (xgr.GrammarMatcher(self._compile(spec)), 0)
+        output = [*spec.accepted, *output]
         for t in output[done:]:
             if not matcher.is_terminated():
                 matcher.accept_token(t)  # False only for tokens sampled without this mask: skipped

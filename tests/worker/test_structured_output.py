@@ -91,3 +91,13 @@ def test_grammar_rows_never_take_the_argmax_shortcut():
     decode or speculation: its sampling depends on more than the logits."""
     p = SamplingParams(temperature=0, structured_outputs=StructuredOutputsParams(json_object=True))
     assert not p.takes_argmax(5) and not p.logits_alone(5)
+
+
+def test_accepted_tokens_are_read_before_the_output(tok):
+    """A decode instance continuing a prefill instance's first token gets it in its prompt, and
+    `accepted` with it: the grammar goes on from there (not from its start: that wrote "{{")."""
+    first = tok.encode("y", add_special_tokens=False)
+    spec = StructuredOutputsParams(choice=("yes", "no"), accepted=tuple(first))
+    for seed in range(3):
+        texts, unfinished = _draw(tok, [spec], seed=seed)
+        assert not unfinished and "y" + texts[0] == "yes"
