@@ -73,22 +73,31 @@ class GrammarMasks:
     def _compile(self, spec: StructuredOutputsParams):
         import xgrammar as xgr
 
-        if self._compiler is None:
-            from transformers import AutoTokenizer
+        if self._compiler is None:  # the vocabulary as xgrammar reads it (from tokenizer.json alone)
+            from transformers import PreTrainedTokenizerFast
 
-            tok = AutoTokenizer.from_pretrained(str(self.model_dir))
-            self._compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab_size))
+            from matrixinfer.frontend.tokenizer import Tokenizer
+
+            tok = PreTrainedTokenizerFast(tokenizer_file=str(Path(self.model_dir) / "tokenizer.json"))
+            eos = Tokenizer(self.model_dir).eos_token_id  # a default only: matchers end on their request's ids
+            info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab_size,
+                                                      stop_token_ids=None if eos is None else [eos])
+            self._compiler = xgr.GrammarCompiler(info)
         return self._compiler.compile_grammar(build_grammar(spec))
 
-    def _matcher(self, request_id: str, spec: StructuredOutputsParams, output: list[int]):
+    def _matcher(self, r):
+        """r's matcher, advanced over its output so far. Its end is the request's own
+        end-of-sequence ids (the tokens that finish it in the engine)."""
         import xgrammar as xgr
 
-        matcher, done = self.matchers.get(request_id) or (xgr.GrammarMatcher(self._compile(spec)), 0)
+        spec, output = r.params.structured_outputs, r.output_token_ids or []
+        matcher, done = self.matchers.get(r.request_id) or (
+            xgr.GrammarMatcher(self._compile(spec), override_stop_tokens=list(r.eos_token_ids) or None), 0)
         output = [*spec.accepted, *output]
         for t in output[done:]:
             if not matcher.is_terminated():
                 matcher.accept_token(t)  # False only for tokens sampled without this mask: skipped
-        self.matchers[request_id] = (matcher, len(output))
+        self.matchers[r.request_id] = (matcher, len(output))
         return matcher
 
     def constrain(self, reqs) -> "callable | None":
@@ -101,7 +110,7 @@ class GrammarMasks:
 
         live = []
         for i, r in rows:
-            m = self._matcher(r.request_id, r.params.structured_outputs, r.output_token_ids or [])
+            m = self._matcher(r)
             if not m.is_terminated():  # past the end (ignore_eos) the text is free
                 live.append((i, m))
         if not live:

@@ -20,8 +20,8 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 
 
 class Row:  # the fields of a ScheduledRequest the masks read
-    def __init__(self, rid, params):
-        self.request_id, self.params, self.output_token_ids = rid, params, []
+    def __init__(self, rid, params, eos_token_ids):
+        self.request_id, self.params, self.output_token_ids, self.eos_token_ids = rid, params, [], eos_token_ids
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,8 @@ def _draw(tok, specs, seed, max_tokens=80):
     """Sample rows of `specs` (None: no grammar) from random logits until each ends (eos)."""
     g = torch.Generator().manual_seed(seed)
     masks = GrammarMasks(DEFAULT_MODEL, tok.vocab_size)
-    rows = [Row(f"r{i}", SamplingParams(temperature=1.0, structured_outputs=s)) for i, s in enumerate(specs)]
+    rows = [Row(f"r{i}", SamplingParams(temperature=1.0, structured_outputs=s), (tok.eos_token_id,))
+            for i, s in enumerate(specs)]
     live = list(rows)
     for _ in range(max_tokens):
         logits = torch.randn(len(live), tok.vocab_size, generator=g) * 3
