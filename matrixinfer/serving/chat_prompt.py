@@ -67,7 +67,7 @@ def template_messages(messages: list[p.ChatMessage], tools: list[p.Tool] | None,
             msg["content"] = render_outputs(results)
     if tools and not native:
         section = render_tools([t.function.model_dump() for t in tools])
-        if out[0]["role"] in ("system", "developer"):
+        if out and out[0]["role"] in ("system", "developer"):  # /tokenize may send no messages
             out[0]["content"] = f"{out[0]['content']}\n\n{section}" if out[0]["content"] else section
         else:
             out.insert(0, {"role": "system", "content": section})

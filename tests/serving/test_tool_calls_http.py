@@ -107,3 +107,10 @@ def test_malformed_tool_requests_are_400s_naming_the_field(bundled_server, body,
     """Each malformed tools request is a 400 whose param points at the fault."""
     err = _error(bundled_server, body)
     assert err["param"] == param, err
+
+
+def test_tokenize_with_tools_and_no_messages_is_not_a_500(bundled_server):
+    """/tokenize with tools and an empty messages list (found by the fuzzer): answered, not a
+    server error."""
+    r = httpx.post(bundled_server.url + "/tokenize", json={"messages": [], "tools": [WEATHER]}, timeout=30)
+    assert r.status_code < 500, r.text
