@@ -15,6 +15,29 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = 2
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What the output must match (vLLM's names), exactly one of: a JSON schema (as text), any
+    JSON object, a regex, one of some strings, an EBNF grammar. The sampler masks every token
+    that would leave the grammar (worker/structured_output.py, xgrammar)."""
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    # one of several (literal prefix, JSON schema) pairs: a call of one of several tools
+    alternatives: tuple[tuple[str, str], ...] | None = None
+    suffix: str = ""  # literal text that must follow the structure (a tool call's end marker)
+    # tokens of the output that this engine gets as part of its prompt (a decode instance
+    # continuing what prefill sampled): the grammar has already read them
+    accepted: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        given = sum(x is not None for x in (self.json, self.regex, self.choice, self.grammar, self.alternatives))
+        if given + self.json_object != 1:
+            raise ValueError("structured outputs take exactly one of json, json_object, regex, choice, grammar")
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -37,6 +60,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-N besides each prompt token's own logprob (computes the whole prompt)
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None  # constrain the output to a grammar
     stop_list: list[str] = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -87,9 +111,10 @@ class SamplingParams:
 
     def logits_alone(self, num_output_tokens: int) -> bool:
         """Sampling the next token (after num_output_tokens) depends on nothing but the raw
-        logits: no logprobs, penalties or logit bias, and min_tokens reached (nothing masked)."""
+        logits: no logprobs, penalties, logit bias or grammar, and min_tokens reached (nothing
+        masked)."""
         return (self.logprobs is None and not self.has_penalties and not self.logit_bias
-                and num_output_tokens >= self.min_tokens)
+                and num_output_tokens >= self.min_tokens and self.structured_outputs is None)
 
     def takes_argmax(self, num_output_tokens: int) -> bool:
         """The sampler gives this request the argmax of its raw logits: greedy, with nothing

@@ -59,7 +59,7 @@ class ScheduledRequest:
     sample: bool  # this step reaches the last known token: sample the next one
     params: SamplingParams | None = None  # when sample
     prompt_token_ids: list[int] | None = None  # when sample with penalties
-    output_token_ids: list[int] | None = None  # when sample with penalties or min_tokens (it masks by their count)
+    output_token_ids: list[int] | None = None  # when sample with penalties, min_tokens (counted) or a grammar
     eos_token_ids: tuple[int, ...] = ()
     # prompt logprobs asked (N, the top count): logits at every position of this chunk, and the
     # prompt tokens they predict (token at start_pos + 1 ...; shorter than token_ids at the prompt's end)
@@ -274,7 +274,8 @@ class Scheduler:
         start = req.num_computed_tokens
         sample = start + n == req.num_tokens
         penalties = sample and req.params.has_penalties
-        counted = penalties or (sample and req.params.min_tokens > 0)
+        # the output so far: penalties and min_tokens count it, a grammar's matcher advances by it
+        counted = penalties or (sample and (req.params.min_tokens > 0 or req.params.structured_outputs is not None))
         s = ScheduledRequest(
             req.request_id, req.token_ids_between(start, start + n) + list(drafts), start, list(req.block_table), sample,
             req.params if sample else None,

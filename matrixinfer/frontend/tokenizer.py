@@ -49,7 +49,9 @@ class Tokenizer:
         UTF-8 character split across tokens (byte-level BPE) is incomplete."""
         return _DecodeStream(self._tok, skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """`tools`: OpenAI's tool definitions, for templates that render them (as HF passes them)."""
         if not self.chat_template:
             raise ValueError("this model's tokenizer_config.json has no chat_template")
         import jinja2
@@ -57,7 +59,7 @@ class Tokenizer:
         env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
         return env.from_string(self.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "", tools=tools,
         )
 
 

@@ -130,8 +130,10 @@ class PDCClient(AsyncLLM):
             raise NoInstanceError("no decode instance is running")
         r, n = route.request, len(tokens)
         p = r.params
+        so = p.structured_outputs  # the streamed tokens become prompt there: its grammar must have read them
         params = replace(p, max_tokens=None if p.max_tokens is None else p.max_tokens - n,
-                         min_tokens=max(0, p.min_tokens - n))
+                         min_tokens=max(0, p.min_tokens - n),
+                         structured_outputs=None if so is None else replace(so, accepted=so.accepted + tuple(tokens)))
         inst = self.router.choose_decode(alive)
         self.routes[child_id] = Route(r, "decode", inst, time.monotonic() if n == 1 else None)
         inst.add(replace(r, prompt_token_ids=r.prompt_token_ids + tokens, params=params))

@@ -26,36 +26,31 @@ from matrixinfer.serving import protocol as p
 from matrixinfer.serving.async_engine import EngineClient, GenerateRequest
 from matrixinfer.serving.ledger import UsageLedger
 from matrixinfer.serving.batching import best_of, merged
+from matrixinfer.serving.chat_message import MessageParser
+from matrixinfer.serving.chat_prompt import PromptError, check_tools, forced_call, template_messages
 from matrixinfer.serving.drain import Drain, DrainMiddleware
+from matrixinfer.serving.errors import APIError, error_response
 from matrixinfer.serving.limits import LimitExceeded, Limiter, Reservation
 from matrixinfer.serving.metrics import ServingMetrics
 from matrixinfer.serving.openai_format import ChatFormatter, ChoiceStream, CompletionFormatter, Formatter, usage
+from matrixinfer.serving.reasoning import REASONING_PARSERS
+from matrixinfer.serving.responses import ResponseStore, create_response
+from matrixinfer.serving.structured import request_structure, tool_call_structure
 from matrixinfer.serving.tenants import ANONYMOUS, Tenant, TenantStore
 
 MAX_STOP_STRINGS = 4
 MAX_PROMPTS = 64  # prompts in one batched completions request
 
 
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error", headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
-        self.headers = headers
-
-
-def error_response(status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                   code: str | None = None, headers: dict | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": type, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
 def _validation_error(exc: RequestValidationError) -> JSONResponse:
-    err = exc.errors()[0]
+    # a union reports an error per member: the deepest one is where the value went wrong
+    # (input: [{"role": "robot"}] fails as a string and, at input.0.role, as a list of messages)
+    err = max(exc.errors(), key=lambda e: len(e.get("loc", ())))
     loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-    # pydantic reports union members as extra loc parts (e.g. prompt.str); keep the field path
-    loc = [x for x in loc if x not in ("str", "list[int]", "list[str]", "list[list[int]]", "list[TextPart]", "int",
-                                       "float") and not x.startswith("function-")]
+    # pydantic reports union members as extra loc parts (prompt.str, tool_choice.NamedToolChoice,
+    # input.list[InputMessage]); keep the field path
+    loc = [x for x in loc if x not in ("str", "int", "float", "bool") and "[" not in x
+           and not x.startswith("function-") and not x[:1].isupper()]
     param = ".".join(loc) or None
     if err.get("type") == "extra_forbidden":
         message = f"Unrecognized request argument supplied: {param}"
@@ -73,8 +68,13 @@ _GENERATE_RESPONSES = {**_ERRORS, 200: {"content": {"text/event-stream": {"schem
 class TokenService:
     """The state behind the routes: the engine, tenants, ledger, limiter and metrics."""
 
-    def __init__(self, engine: EngineClient, tenants: TenantStore | None = None, ledger: UsageLedger | None = None):
+    def __init__(self, engine: EngineClient, tenants: TenantStore | None = None, ledger: UsageLedger | None = None,
+                 reasoning_parser: str | None = None):
+        if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"unknown reasoning parser {reasoning_parser!r}; known: {', '.join(REASONING_PARSERS)}")
         self.engine = engine
+        self.reasoning_parser = reasoning_parser
+        self.responses = ResponseStore()  # for the Responses API's previous_response_id
         self.tenants = tenants
         self.ledger = ledger
         self.limiter = Limiter(ledger)
@@ -126,20 +126,41 @@ class TokenService:
             raise APIError(400, f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}", param="prompt")
         return [self.tokenize_prompt(x, param=f"prompt.{i}") for i, x in enumerate(prompt)]
 
-    def chat_prompt(self, messages: list[p.ChatMessage]) -> list[int]:
+    def chat_prompt(self, messages: list[p.ChatMessage], tools: list[p.Tool] | None = None,
+                    prefill: str = "") -> list[int]:
+        """Token ids of the templated conversation (and `tools`), ending with the assistant's
+        turn opened and `prefill` (a forced tool call's opening)."""
+        # the template already placed bos where it belongs: do not add another
+        return self.tokenize_prompt(self.chat_text(messages, tools) + prefill, param="messages",
+                                    add_special_tokens=False)
+
+    def chat_text(self, messages: list[p.ChatMessage], tools: list[p.Tool] | None = None,
+                  add_generation_prompt: bool = True) -> str:
         tok = self.engine.tokenizer
         if tok is None or not tok.chat_template:
             raise APIError(400, "this model has no chat template: use /v1/completions", param="messages")
-        msgs = []
-        for m in messages:
-            content = m.content if isinstance(m.content, str) else "".join(part.text for part in m.content or [])
-            msgs.append({"role": m.role, "content": content, **({"name": m.name} if m.name else {})})
+        native = "tool_calls" in tok.chat_template  # the template renders tool calls itself
         try:
-            text = tok.apply_chat_template(msgs, add_generation_prompt=True)
+            check_tools(tools)
+            msgs = template_messages(messages, tools, native)
+        except PromptError as e:
+            raise APIError(400, str(e), param=e.param) from e
+        try:
+            return tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt,
+                                           tools=[t.model_dump() for t in tools] if tools and native else None)
         except Exception as e:  # the template's own raise_exception(), or a bad template
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from e
-        # the template already placed bos where it belongs: do not add another
-        return self.tokenize_prompt(text, param="messages", add_special_tokens=False)
+
+    def message_parser(self, body: p.ChatCompletionRequest) -> tuple[MessageParser, list[p.Tool] | None]:
+        """How the request's output is read, and the tools its prompt shows (none with
+        tool_choice "none": the model is not offered them)."""
+        tools = body.tools if body.tool_choice != "none" else None
+        try:
+            prefill = forced_call(body.tool_choice, body.tools)
+        except PromptError as e:
+            raise APIError(400, str(e), param=e.param) from e
+        return MessageParser(reasoning=self.reasoning_parser is not None, tools=bool(tools),
+                             parallel_tool_calls=body.parallel_tool_calls is not False, prefill=prefill), tools
 
     def sampling_params(self, body: p._SamplingRequest, prompt_len: int, max_tokens: int | None,
                         logprobs: int | None, prompt_param: str) -> SamplingParams:
@@ -158,10 +179,7 @@ class TokenService:
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
             raise APIError(400, f"stop must be at most {MAX_STOP_STRINGS} non-empty strings", param="stop")
-        if body.response_format is not None and body.response_format.type != "text":
-            raise APIError(400, f"response_format {body.response_format.type!r} is not supported: this server has no "
-                                "constrained (JSON) decoding; use {\"type\": \"text\"} or leave it out",
-                           param="response_format", code="unsupported_parameter")
+        structure = request_structure(body)
         try:
             return SamplingParams(
                 n=body.n, temperature=1.0 if body.temperature is None else body.temperature,
@@ -172,7 +190,7 @@ class TokenService:
                 repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
                 logit_bias=self._token_map(body.logit_bias), stop_token_ids=self._token_ids(body.stop_token_ids),
                 include_stop_str_in_output=body.include_stop_str_in_output,
-                skip_special_tokens=body.skip_special_tokens,
+                skip_special_tokens=body.skip_special_tokens, structured_outputs=structure,
             )
         except ValueError as e:
             raise APIError(400, str(e)) from e
@@ -201,11 +219,11 @@ class TokenService:
         return ids
 
     # -- generation -----------------------------------------------------------------------------
-    async def generate(self, raw: Request, tenant: Tenant, body: p._SamplingRequest, prompts: list[list[int]],
-                       params: SamplingParams, fmt: Formatter, prompt_param: str, keep: int | None = None) -> Response:
-        """Run `prompts` (one engine request each, `params.n` choices each) as one API request.
-        `keep`: return only this many choices per prompt, those of highest cumulative logprob
-        (best_of; every generated token is still metered)."""
+    async def start(self, tenant: Tenant, user: str | None, request_id: str, prompts: list[list[int]],
+                    params: SamplingParams, prompt_param: str):
+        """Admit `prompts` (one engine request each, `params.n` choices each) against the
+        tenant's limits and start them: (the merged output stream, its meter holding the first
+        output). Refusals (limits, the engine's own checks) are APIErrors."""
         try:
             reservation = self.limiter.admit(tenant, sum(map(len, prompts)), len(prompts) * params.n * params.max_tokens)
         except LimitExceeded as e:
@@ -213,10 +231,10 @@ class TokenService:
             raise APIError(429, str(e), code=e.code, type="rate_limit_error" if e.code != "insufficient_quota"
                            else "insufficient_quota", headers={"Retry-After": str(e.retry_after)}) from e
         arrival = time.monotonic()
-        ids = [fmt.request_id] if len(prompts) == 1 else [f"{fmt.request_id}-{i}" for i in range(len(prompts))]
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         streams = [self.engine.generate(GenerateRequest(rid, prompt, params, namespace=tenant.name, arrival_time=arrival))
                    for rid, prompt in zip(ids, prompts)]
-        stream = streams[0] if len(streams) == 1 else merged(fmt.request_id, streams)
+        stream = streams[0] if len(streams) == 1 else merged(request_id, streams)
         try:
             first = await anext(stream)
         except ValueError as e:  # the engine's own checks refused the request
@@ -227,11 +245,12 @@ class TokenService:
             await stream.aclose()
             self.limiter.finish(tenant, 0, 0, reservation)
             raise APIError(500, f"generation failed: {e}", type="server_error") from e
-        meter = _Meter(self, tenant, body.user, arrival, first, reservation)
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._events(stream, meter, fmt, params, len(prompts) * params.n, include_usage),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return stream, _Meter(self, tenant, user, arrival, first, reservation)
+
+    @staticmethod
+    async def collect(raw: Request, stream, meter: "_Meter") -> None:
+        """Read `stream` to its last output (or until the client leaves: the request is
+        aborted), then meter it."""
         async with aclosing(stream):
             try:
                 while not meter.last.finished:
@@ -242,6 +261,18 @@ class TokenService:
                 meter.close()
                 raise APIError(500, f"generation failed: {e}", type="server_error") from e
         meter.close()
+
+    async def generate(self, raw: Request, tenant: Tenant, body: p._SamplingRequest, prompts: list[list[int]],
+                       params: SamplingParams, fmt: Formatter, prompt_param: str, keep: int | None = None) -> Response:
+        """Run `prompts` as one API request, answered as `fmt` shapes it.
+        `keep`: return only this many choices per prompt, those of highest cumulative logprob
+        (best_of; every generated token is still metered)."""
+        stream, meter = await self.start(tenant, body.user, fmt.request_id, prompts, params, prompt_param)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(self._events(stream, meter, fmt, params, len(prompts) * params.n, include_usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        await self.collect(raw, stream, meter)
         if keep is None:
             return JSONResponse(fmt.response(meter.last))
         body = fmt.response(best_of(meter.last, params.n, keep))
@@ -260,12 +291,14 @@ class TokenService:
                     for out, cs in zip(meter.last.outputs, choices):
                         d = cs.delta(out)
                         if d is not None and (d[0] or d[2] or fmt.num_logprobs is not None):
-                            yield _sse(fmt.chunk([fmt.choice(out, *d, delta=True)]), include_usage)
+                            c = fmt.choice(out, *d, delta=True)
+                            if c is not None:  # None: the parsers hold all of the new text back
+                                yield _sse(fmt.chunk([c]), include_usage)
                     if meter.last.finished:
                         break
                     meter.last = await anext(stream)
             if include_usage:
-                yield f"data: {json.dumps(fmt.chunk([], usage(meter.last), with_usage=True))}\n\n"
+                yield f"data: {json.dumps(fmt.chunk([], fmt.usage(meter.last), with_usage=True))}\n\n"
         except Exception as e:  # the engine failed mid-stream: say so in the stream, then end it
             err = {"error": {"message": f"generation failed: {e}", "type": "server_error", "param": None,
                              "code": None}}
@@ -310,12 +343,13 @@ class _Meter:
 
 
 def build_app(engine: EngineClient, tenants: TenantStore | None = None, ledger: UsageLedger | None = None,
-              own_engine: bool = False) -> FastAPI:
+              own_engine: bool = False, reasoning_parser: str | None = None) -> FastAPI:
     """The HTTP app over `engine`. Without a tenant store (or with one holding no keys) every
     request is served as the anonymous tenant. With `own_engine` the app's lifespan shuts the
     engine down when the server stops (what `matrixinfer serve` does). `app.state.drain` is
-    the graceful-shutdown switch (drain.py)."""
-    service = TokenService(engine, tenants, ledger)
+    the graceful-shutdown switch (drain.py). `reasoning_parser` (reasoning.py) splits chat
+    answers into reasoning_content and content."""
+    service = TokenService(engine, tenants, ledger, reasoning_parser)
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -378,12 +412,27 @@ def build_app(engine: EngineClient, tenants: TenantStore | None = None, ledger: 
             raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
         if body.max_tokens is not None and body.max_completion_tokens is not None:
             raise APIError(400, "give max_tokens or max_completion_tokens, not both", param="max_completion_tokens")
-        ids = service.chat_prompt(body.messages)
+        parser, tools = service.message_parser(body)
+        ids = service.chat_prompt(body.messages, tools, parser.prefill)
         num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = service.sampling_params(body, len(ids), body.max_completion_tokens or body.max_tokens,
                                          num_logprobs, "messages")
-        fmt = ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", engine.model_name, engine.tokenizer, num_logprobs)
+        if parser.prefill:  # a forced call: its arguments follow the function's schema
+            if params.structured_outputs is not None:
+                raise APIError(400, "a forced tool call (tool_choice required or named) takes no other structured "
+                                    "output", param="tool_choice")
+            params = replace(params, structured_outputs=tool_call_structure(body.tool_choice, body.tools))
+        fmt = ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", engine.model_name, engine.tokenizer, num_logprobs,
+                            parser)
         return await service.generate(raw, tenant, body, [ids], params, fmt, "messages")
+
+    @app.post("/v1/responses", responses=_GENERATE_RESPONSES)
+    async def responses(body: p.ResponsesRequest, raw: Request, tenant: Tenant = Depends(tenant_of)):
+        return await create_response(service, raw, tenant, body)
+
+    @app.get("/v1/responses/{response_id}", responses=_ERRORS)
+    async def get_response(response_id: str, tenant: Tenant = Depends(tenant_of)):
+        return service.responses.get(response_id, tenant.name, param="response_id").body
 
     @app.get("/v1/models", response_model=p.ModelList, responses=_ERRORS)
     async def models(_: Tenant = Depends(tenant_of)):
@@ -396,7 +445,7 @@ def build_app(engine: EngineClient, tenants: TenantStore | None = None, ledger: 
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", param="prompt")
         if body.messages is not None:
-            ids = service.chat_prompt(body.messages)
+            ids = service.chat_prompt(body.messages, body.tools)
         else:
             if engine.tokenizer is None:
                 raise APIError(400, "this model has no tokenizer", param="prompt")

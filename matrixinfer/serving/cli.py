@@ -9,6 +9,7 @@ from datetime import datetime, timezone
 
 from matrixinfer.config import DEFAULT_MODEL, EngineConfig
 from matrixinfer.serving.ledger import Prices
+from matrixinfer.serving.reasoning import REASONING_PARSERS
 from matrixinfer.serving.db import DEFAULT_DB
 from matrixinfer.serving.tenants import PERIODS
 
@@ -47,7 +48,7 @@ def _serve(args) -> int:
     for role, cfg in layouts.items():  # what each role actually runs, after the launcher's adjustments
         print(f"matrixinfer: {role}: {cfg.layout()}", file=sys.stderr)
     tenants, ledger = TenantStore(args.keys_db), UsageLedger(args.ledger_db or args.keys_db)
-    app = build_app(engine, tenants, ledger, own_engine=True)
+    app = build_app(engine, tenants, ledger, own_engine=True, reasoning_parser=args.reasoning_parser)
     print(f"matrixinfer: serving {engine.model_name} (context {engine.max_model_len} tokens) on "
           f"http://{args.host}:{args.port}/v1; usage ledger {ledger.path}", file=sys.stderr)
     if not tenants.has_keys():
@@ -152,6 +153,8 @@ def register(sub, bench_sub) -> None:
                    help="auto or HOST:PORT: place the instances and EMS servers as actors on that Ray cluster")
     s.add_argument("--router", default="least-loaded", choices=["least-loaded", "locality", "round-robin"],
                    help="the peer scheduler's policy")
+    s.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                   help="split chat answers into reasoning_content (the text before </think>) and content")
     s.add_argument("--log-level", default="warning")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds that requests in flight may take to finish (new ones get 503)")

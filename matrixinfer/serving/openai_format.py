@@ -6,6 +6,8 @@ import time
 
 from matrixinfer.frontend.outputs import CompletionOutput, RequestOutput
 from matrixinfer.engine.request import Logprob
+from matrixinfer.serving.chat_message import MessageParser, MessageStream
+from matrixinfer.serving.reasoning import reasoning_tokens
 
 
 def usage(out: RequestOutput) -> dict:
@@ -68,7 +70,10 @@ class Formatter:
     def response(self, out: RequestOutput) -> dict:
         choices = [self.choice(o, o.text, o.logprobs, o.finish_reason) for o in out.outputs]
         return {"id": self.request_id, "object": self.object_name, "created": self.created, "model": self.model,
-                "choices": choices, "usage": usage(out)}
+                "choices": choices, "usage": self.usage(out)}
+
+    def usage(self, out: RequestOutput) -> dict:
+        return usage(out)
 
     def chunk(self, choices: list[dict], usage_: dict | None = None, with_usage: bool = False) -> dict:
         body = {"id": self.request_id, "object": self.chunk_object_name, "created": self.created,
@@ -81,7 +86,8 @@ class Formatter:
         return []
 
     def choice(self, out: CompletionOutput, text: str, lps: list[Logprob] | None, finish: str | None,
-               delta: bool = False) -> dict:
+               delta: bool = False) -> dict | None:
+        """The choice's body, or (a stream delta) None when there is nothing to send."""
         raise NotImplementedError
 
 
@@ -117,14 +123,36 @@ class CompletionFormatter(Formatter):
 class ChatFormatter(Formatter):
     object_name, chunk_object_name = "chat.completion", "chat.completion.chunk"
 
+    def __init__(self, request_id: str, model: str, tokenizer, num_logprobs: int | None,
+                 parser: MessageParser = MessageParser()):
+        super().__init__(request_id, model, tokenizer, num_logprobs)
+        self.tokenizer, self.parser = tokenizer, parser
+        self.streams: dict[int, MessageStream] = {}  # per streamed choice
+
     def stream_start(self, n: int) -> list[dict]:
         return [self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None}]) for i in range(n)]
 
     def choice(self, out, text, lps, finish, delta=False):
-        body = {"index": out.index, "logprobs": self._logprobs(lps), "finish_reason": finish,
-                "stop_reason": out.stop_reason if finish else None}
-        body["delta" if delta else "message"] = {"content": text} if delta else {"role": "assistant", "content": text}
+        if self.parser.plain:
+            message, calls = {"content": text} if delta else {"role": "assistant", "content": text}, False
+        elif delta:
+            message, calls = self.streams.setdefault(out.index, MessageStream(self.parser)).feed(text, finish is not None)
+            if not message and finish is None and not lps:
+                return None
+        else:
+            parsed = self.parser.parse(text, final=True)
+            message, calls = parsed.message(), bool(parsed.calls)
+        if calls and finish == "stop":
+            finish = "tool_calls"
+        return {"index": out.index, "delta" if delta else "message": message, "logprobs": self._logprobs(lps),
+                "finish_reason": finish, "stop_reason": out.stop_reason if finish else None}
+
+    def usage(self, out: RequestOutput) -> dict:
+        body = usage(out)
+        if self.parser.reasoning and self.tokenizer is not None:  # a forced call (prefill) is not thought
+            body["completion_tokens_details"] = {"reasoning_tokens": 0 if self.parser.prefill else sum(
+                reasoning_tokens(o.token_ids, self.tokenizer) for o in out.outputs)}
         return body
 
     def _entry(self, token_id: int, logprob: float) -> dict:

@@ -43,8 +43,13 @@ class _SamplingRequest(_Request):
     frequency_penalty: float | None = Field(None, ge=-2, le=2, description="subtracted per occurrence in the output")
     logit_bias: dict[str, float] | None = Field(None, description="token id (as a string) -> bias in [-100, 100] "
                                                 "added to its logit")
-    response_format: ResponseFormat | None = Field(None, description="only {\"type\": \"text\"}: JSON modes are "
-                                                   "refused with a 400")
+    response_format: ResponseFormat | None = Field(None, description="text, json_object, or json_schema "
+                                                   "({\"json_schema\": {\"name\", \"schema\", \"strict\"}}): "
+                                                   "the output is constrained to the grammar")
+    guided_json: dict | str | None = Field(None, description="vLLM extension: a JSON schema the output matches")
+    guided_regex: str | None = Field(None, description="vLLM extension: a regex the output matches")
+    guided_choice: list[str] | None = Field(None, description="vLLM extension: the output is one of these strings")
+    guided_grammar: str | None = Field(None, description="vLLM extension: an EBNF grammar (xgrammar's dialect)")
     # vLLM's extensions (its OpenAI server accepts them; `vllm bench serve` sends repetition_penalty)
     ignore_eos: bool = Field(False, description="vLLM extension: keep generating past end-of-sequence")
     repetition_penalty: float | None = Field(None, gt=0, description="vLLM extension: >1 discourages tokens of the "
@@ -70,10 +75,49 @@ class TextPart(_Request):
     text: str
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str = Field(..., description="the arguments as a JSON string, as the model wrote them")
+
+
+class ToolCall(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="assistant only: the calls it made")
+    tool_call_id: str | None = Field(None, description="tool only: the call this message answers")
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = Field(None, description="JSON schema of the arguments (shown to the model; the "
+                                    "grammar of a forced call's arguments)")
+    strict: bool | None = Field(None, description="accepted; a forced call's arguments always follow the schema, "
+                                "an auto call's are not constrained")
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+MAX_TOOLS = 128
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -81,12 +125,64 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1, description="same as max_tokens (newer name)")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="default auto with tools; required / a named function open the call in the prompt")
+    parallel_tool_calls: bool | None = Field(None, description="false: only the first call is returned")
+
+
+# -- the Responses API ------------------------------------------------------------------------------
+class InputText(_Request):
+    type: Literal["input_text", "output_text"]  # output_text: an earlier answer sent back as input
+    text: str
+    annotations: list | None = None
+
+
+class InputMessage(_Request):
+    type: Literal["message"] = "message"
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[InputText]
+    id: str | None = None  # as sent back from an earlier response's output
+    status: str | None = None
+
+
+class TextFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextConfig(_Request):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(_Request):
+    model: str | None = None
+    input: str | list[InputMessage] = Field(..., description="text (a user message) or messages")
+    instructions: str | None = Field(None, description="a system message before the input, for this turn only")
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stream: bool = False
+    previous_response_id: str | None = Field(None, description="continue that response's conversation (its "
+                                             "tokens are reused from the prefix cache)")
+    store: bool = Field(True, description="keep the response (in memory) for previous_response_id and GET")
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+    user: str | None = Field(None, max_length=256)
+    text: TextConfig | None = Field(None, description="format: text, json_object or json_schema (structured outputs)")
+    tools: list[dict] | None = Field(None, description="refused unless empty: use /v1/chat/completions for tools")
+    tool_choice: Literal["none", "auto"] | None = None
+    parallel_tool_calls: bool | None = None
+    truncation: Literal["disabled"] | None = None
 
 
 class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     add_special_tokens: bool = True
 
 
@@ -100,11 +196,16 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -145,9 +246,17 @@ class ChoiceLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: dict
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ResponseToolCall] | None = None
 
 
 class ChatChoice(BaseModel):

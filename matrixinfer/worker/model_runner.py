@@ -20,6 +20,7 @@ from matrixinfer.model.moe import Router
 from matrixinfer.worker.compiled_decode import MIN_TABLE_WIDTH, CompiledDecode, padded_batch
 from matrixinfer.worker.compiled_prefill import CompiledPrefill
 from matrixinfer.worker.sampler import SamplingRow, sample
+from matrixinfer.worker.structured_output import GrammarMasks
 from matrixinfer.worker.spec_decode import SpecBatch, add_decode_queries, draft_context, verify
 
 
@@ -86,6 +87,7 @@ class ModelRunner:
         for i, attn in enumerate(layers):
             attn.kv_cache = self.kv_cache[i]
         self.generators: dict[str, torch.Generator] = {}  # seeded requests' RNGs live across steps
+        self.grammars: GrammarMasks | None = None  # structured outputs' masks (set by the worker)
         # multi-step decode ends after the current step when this says so (the engine core's: a
         # message arrived, a request to join the batch, say); set only where one rank runs
         self.interrupt: Callable[[], bool] | None = None
@@ -186,6 +188,8 @@ class ModelRunner:
         load). Only the driver rank samples; the others return None."""
         for rid in sched.finished_request_ids:
             self.generators.pop(rid, None)
+        if self.grammars is not None:
+            self.grammars.finish(sched.finished_request_ids)
         reqs = [r for r in sched.requests if r.request_id not in skip]
         if not reqs:
             return ModelRunnerOutput([], [], failed_kv_load_request_ids=set(skip)) if driver else None
@@ -261,7 +265,7 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, reqs: list[ScheduledRequest]):
         rows = [SamplingRow(r.params, r.prompt_token_ids or [], r.output_token_ids or [], self._generator(r),
                             r.eos_token_ids) for r in reqs]
-        return sample(logits, rows)
+        return sample(logits, rows, self.grammars.constrain(reqs) if self.grammars is not None else None)
 
     @staticmethod
     def _logprobs(out, tokens: list[int], sampling) -> list[Logprob | None] | None:

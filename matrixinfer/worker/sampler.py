@@ -9,6 +9,7 @@ per-row multinomial and lets a seeded row draw its q from its own generator.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -106,11 +107,16 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
     return logits
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+def sample(logits: torch.Tensor, rows: list[SamplingRow],
+           constrain: Callable[[torch.Tensor], None] | None = None) -> SamplerOutput:
+    """`constrain`: sets forbidden tokens' logits to -inf in place (structured outputs' grammar
+    masks), after the logits processors; logprobs stay those of the raw distribution."""
     logits = logits.float()
     num_logprobs = [r.params.logprobs for r in rows if r.params.logprobs is not None]
     raw_logprobs = torch.log_softmax(logits, dim=-1) if num_logprobs else None
     logits = process_logits(logits, rows)
+    if constrain is not None:
+        constrain(logits)
     tokens = argmax_rows(logits)
     random = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random:

@@ -16,6 +16,7 @@ from matrixinfer.engine.scheduler import ModelRunnerOutput, SchedulerOutput
 from matrixinfer.kv_connector import make_worker_connector
 from matrixinfer.model.loader import load_model
 from matrixinfer.worker.model_runner import ModelRunner
+from matrixinfer.worker.structured_output import GrammarMasks
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ class Worker:
         self.max_model_len = max_model_len_of(config, self.model.config.max_position_embeddings)
         self.num_blocks = num_kv_blocks(config, self.model, self.max_model_len)
         self.runner = self._make_runner()
+        self.runner.grammars = GrammarMasks(config.model, self.model.config.vocab_size)  # used on the first grammar
         compiled, prefill = self.runner.compiled_decode, self.runner.compiled_prefill
         from matrixinfer.kernels import bfloat16_gemm_policy
 

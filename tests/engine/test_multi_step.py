@@ -162,3 +162,19 @@ def test_kv_connector_saves_the_blocks_a_multi_step_run_completed():
     # (position 15) completes block 3 too
     b = req.block_table
     assert saved == [(1, []), (6, [b[0]]), (6, [b[1]]), (6, [b[2], b[3]])]
+
+
+def test_a_grammar_request_takes_single_steps_and_sends_its_output():
+    """A greedy request with a grammar (structured outputs) is not run k steps at a time: its
+    tokens come from the masked sampler, and each step carries its output for the matcher."""
+    from matrixinfer.engine.sampling_params import StructuredOutputsParams
+
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    sched = Scheduler(SchedulerConfig(), kv, max_model_len=64, num_steps=4)
+    _decoding(sched, "g", SamplingParams(temperature=0, max_tokens=20))
+    assert sched.schedule().num_steps == 4
+    _decoding(sched, "j", SamplingParams(temperature=0, max_tokens=20,
+                                         structured_outputs=StructuredOutputsParams(json_object=True)))
+    step = sched.schedule()
+    assert step.num_steps == 1
+    assert {r.request_id: r.output_token_ids for r in step.requests}["j"] == [7]

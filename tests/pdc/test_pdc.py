@@ -349,3 +349,20 @@ def test_failover_under_batch_invariance_resumes_with_the_solo_text(text_checkpo
         tenants.close()
         ledger.close()
         client.shutdown()
+
+
+def test_structured_outputs_survive_the_prefill_to_decode_hand_off(stack):
+    """Prefill samples the first token under the grammar, decode goes on from it (the token is
+    in its prompt, and its grammar has read it): sampled completions under a schema validate
+    (before, the grammar restarted on the decode instance and wrote '{{')."""
+    import json
+
+    _, server, _ = stack
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["a"], "additionalProperties": False}
+    r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 20,
+                                                         "temperature": 1.0, "n": 4, "seed": 0, "guided_json": schema},
+                   timeout=120)
+    assert r.status_code == 200, r.text
+    for c in r.json()["choices"]:
+        assert c["finish_reason"] == "stop" and 0 <= json.loads(c["text"])["a"] <= 9, c

@@ -46,6 +46,33 @@ def engine(text_checkpoint):
     eng.shutdown()
 
 
+@pytest.fixture(scope="session")
+def bundled_engine():
+    """The bundled model (models/matrixinfer-tiny-moe, its real tokenizer and chat template),
+    with a context long enough for tool definitions; shared by the modules that need it."""
+    from matrixinfer.config import DEFAULT_MODEL
+
+    eng = AsyncLLMEngine.from_model(DEFAULT_MODEL, model_name="tiny-moe", dtype="float32", max_model_len=1024)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def bundled_server(bundled_engine):
+    """A plain server (no keys) over the bundled engine."""
+    server = LiveServer(build_app(bundled_engine))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def bundled_client(bundled_server):
+    """The official `openai` client of bundled_server."""
+    import openai
+
+    return openai.OpenAI(base_url=bundled_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
 def start_service(engine, db_path):
     """(server, tenants, ledger) for an app over `engine` with its own key/ledger database."""
     tenants, ledger = TenantStore(db_path), UsageLedger(db_path)

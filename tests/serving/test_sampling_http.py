@@ -5,20 +5,17 @@ should, not merely passes validation."""
 import httpx
 import pytest
 
-from matrixinfer.config import DEFAULT_MODEL
-from matrixinfer.serving import AsyncLLMEngine, build_app
+from matrixinfer.serving import build_app
 from tests.serving.conftest import LiveServer
 
 PROMPT = "import os\n\n\ndef read_lines(path):\n"
 
 
 @pytest.fixture(scope="module")
-def bundled():
-    engine = AsyncLLMEngine.from_model(DEFAULT_MODEL, model_name="tiny-moe", dtype="float32", max_model_len=256)
-    server = LiveServer(build_app(engine))
-    yield server.url, engine.tokenizer
+def bundled(bundled_engine):
+    server = LiveServer(build_app(bundled_engine))
+    yield server.url, bundled_engine.tokenizer
     server.stop()
-    engine.shutdown()
 
 
 def complete(url, **body):
