@@ -392,6 +392,9 @@ class EngineConfig:
         if self.batch_invariant and (par.expert_parallel_size > 1 or par.sequence_parallel):
             raise ValueError("batch_invariant with expert parallelism or prefill_parallel sp-tp-sp is not built yet "
                              "(their runners build their own steps; docs/determinism.md)")
+        if self.batch_invariant and self.quantization.method == "fp8":
+            raise ValueError("batch_invariant with quantization fp8 is not built (the FP8 operator's sums depend on "
+                             "the row count); leave quantization unset and the FP8 checkpoint is dequantized at load")
         if self.quantization.method not in (None, "w8a8", "compressed-tensors", "fp8"):
             raise ValueError(f"unknown quantization {self.quantization.method!r} (w8a8, compressed-tensors, fp8); a "
                              "quantized checkpoint is detected from its config.json")

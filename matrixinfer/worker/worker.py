@@ -202,8 +202,12 @@ class Worker:
 
     def _keep_fp8(self) -> bool | None:
         """quantization="fp8" keeps an FP8 checkpoint's weights in FP8 whatever the dtype (None:
-        the loader's default, kept with dtype auto; loader.load_model)."""
-        return True if self.config.quantization.method == "fp8" else None
+        the loader's default, kept with dtype auto; loader.load_model). Batch-invariant mode
+        dequantizes them: the FP8 operator picks its path by row count (fused dot at one row,
+        tiles up to 16, a GEMM past that), so a row's sums would depend on its neighbours."""
+        if self.config.quantization.method == "fp8":
+            return True
+        return False if self.config.batch_invariant else None
 
     def _init_distributed(self, init_method: str) -> None:
         import torch.distributed as dist

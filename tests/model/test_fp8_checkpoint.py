@@ -79,6 +79,19 @@ def test_fp8_greedy_tokens_with_the_compiled_decode_step(fp8, monkeypatch):
     assert got == expected
 
 
+def test_batch_invariant_mode_dequantizes_the_fp8_checkpoint_and_keeps_its_tokens(fp8):
+    """The FP8 operator sums a row one way alone, another among 2-16 rows, a third in a GEMM:
+    batch-invariant mode loads the checkpoint dequantized (the oracle's weights, so its greedy
+    tokens), and asking for FP8 weights with the mode is a clear error."""
+    path, oracle = fp8
+    expected, _ = greedy(oracle)
+    got, llm = greedy(path, batch_invariant=True)
+    assert not any(p.dtype == torch.float8_e4m3fn for p in llm.engine.worker.model.parameters())
+    assert got == expected
+    with pytest.raises(ValueError, match="batch_invariant with quantization fp8"):
+        LLM(model=str(path), quantization="fp8", batch_invariant=True)
+
+
 def test_fp8_on_a_float_checkpoint_is_a_clear_error(fp8):
     _, oracle = fp8
     with pytest.raises(CheckpointError, match="not an FP8 checkpoint"):
