@@ -161,7 +161,7 @@ def overlap_rows(model_dir: str, ep: int, seqs: int, seq_len: int, iters: int) -
 def routing_counts(model_dir: str, text: str, max_tokens: int = 2048) -> list[list[int]]:
     """Tokens per logical expert in each MoE layer when the model reads `text` (one pass,
     single process)."""
-    from matrixinfer.frontend.tokenizer import Tokenizer
+    from matrixinfer.tokenizer import Tokenizer
     from matrixinfer.model.loader import load_model
     from matrixinfer.model.moe import MoE
 

@@ -20,7 +20,7 @@ from matrixinfer.engine.messages import EngineCoreOutputs
 from matrixinfer.frontend.output_processor import OutputProcessor
 from matrixinfer.frontend.outputs import EngineStats
 from matrixinfer.frontend.processor import Processor, parent_id
-from matrixinfer.frontend.tokenizer import Tokenizer
+from matrixinfer.tokenizer import Tokenizer
 
 
 class _ThreadCore:

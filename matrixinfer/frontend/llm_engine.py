@@ -10,7 +10,7 @@ from matrixinfer.engine.sampling_params import SamplingParams
 from matrixinfer.frontend.output_processor import OutputProcessor, RequestState
 from matrixinfer.frontend.outputs import RequestOutput
 from matrixinfer.frontend.processor import Processor
-from matrixinfer.frontend.tokenizer import Tokenizer
+from matrixinfer.tokenizer import Tokenizer
 
 
 class LLMEngine:

@@ -11,7 +11,7 @@ from matrixinfer.engine.request import Logprob
 from matrixinfer.engine.sampling_params import RequestOutputKind, SamplingParams
 from matrixinfer.frontend.outputs import CompletionOutput, RequestOutput
 from matrixinfer.frontend.processor import child_id
-from matrixinfer.frontend.tokenizer import Tokenizer
+from matrixinfer.tokenizer import Tokenizer
 
 
 class SampleState:

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from matrixinfer.engine.messages import EngineCoreRequest
 from matrixinfer.engine.sampling_params import SamplingParams
-from matrixinfer.frontend.tokenizer import Tokenizer
+from matrixinfer.tokenizer import Tokenizer
 
 
 def child_id(request_id: str, index: int, n: int) -> str:

@@ -15,7 +15,7 @@ from typing import Protocol
 
 from matrixinfer.engine.sampling_params import SamplingParams
 from matrixinfer.frontend.outputs import EngineStats, RequestOutput
-from matrixinfer.frontend.tokenizer import Tokenizer
+from matrixinfer.tokenizer import Tokenizer
 
 
 @dataclass

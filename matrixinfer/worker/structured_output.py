@@ -76,7 +76,7 @@ class GrammarMasks:
         if self._compiler is None:  # the vocabulary as xgrammar reads it (from tokenizer.json alone)
             from transformers import PreTrainedTokenizerFast
 
-            from matrixinfer.frontend.tokenizer import Tokenizer
+            from matrixinfer.tokenizer import Tokenizer
 
             tok = PreTrainedTokenizerFast(tokenizer_file=str(Path(self.model_dir) / "tokenizer.json"))
             eos = Tokenizer(self.model_dir).eos_token_id  # a default only: matchers end on their request's ids

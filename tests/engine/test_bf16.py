@@ -5,7 +5,7 @@ dense model, step by step, on the trained model."""
 import torch
 
 from matrixinfer.config import DEFAULT_MODEL
-from matrixinfer.frontend.tokenizer import Tokenizer
+from matrixinfer.tokenizer import Tokenizer
 from matrixinfer.model.loader import load_model
 from tests.paged import PagedSequence
 

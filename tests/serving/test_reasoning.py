@@ -1,7 +1,7 @@
 """The deepseek-r1 reasoning parser: text before </think> is reasoning, after it the answer;
 prefixes never take back what they gave; reasoning tokens are counted up to the tag."""
 
-from matrixinfer.frontend.tokenizer import Tokenizer
+from matrixinfer.tokenizer import Tokenizer
 from matrixinfer.serving.reasoning import reasoning_tokens, split_reasoning
 
 TEXT = "<think>\nLet me think: 2 + 2.\n</think>\n\nIt is 4."

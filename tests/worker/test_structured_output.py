@@ -9,7 +9,7 @@ import torch
 
 from matrixinfer.config import DEFAULT_MODEL
 from matrixinfer.engine.sampling_params import SamplingParams, StructuredOutputsParams
-from matrixinfer.frontend.tokenizer import Tokenizer
+from matrixinfer.tokenizer import Tokenizer
 from matrixinfer.worker.sampler import SamplingRow, sample
 from matrixinfer.worker.structured_output import GrammarMasks, build_grammar
 
