@@ -14,7 +14,9 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/matrixinfer serve
 
+# two pytest workers, one test file each at a time: the tests run torch on one thread each
+# (tests/conftest.py), so one worker left a core idle
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile
 
 .PHONY: install serve test
