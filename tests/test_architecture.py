@@ -1,5 +1,6 @@
 """The package's import graph keeps its drawing (grimp reads it from the source, every import
-statement, function-level ones too): no module takes part in an import circle, and the floors
+statement, function-level ones too): no module takes part in an import circle, no library
+module imports a benchmark, and the floors
 of a request's path import only downward, serving -> pdc -> frontend -> engine -> executor ->
 worker -> model -> kernels. The one exception left is listed: the engine's step messages
 (SchedulerOutput, SamplingParams, Logprob) and its block name (the EMS page key the KV
@@ -124,6 +125,20 @@ def test_the_request_path_imports_downward_only():
         f"{d.importer} -> {d.imported} (via {sorted(r.heads)} -> {sorted(r.tails)})" for d in upward for r in d.routes)
 
 
+def _library_modules_importing_bench(graph: grimp.ImportGraph) -> list[str]:
+    """Modules outside bench/ that import from it, but the command lines (`cli` modules), which
+    register the bench subcommands and load their harness when one runs."""
+    return sorted(f"{m} -> {i}" for m in graph.modules
+                  if not m.startswith("matrixinfer.bench") and m.rpartition(".")[2] != "cli"
+                  for i in graph.find_modules_directly_imported_by(m) if i.startswith("matrixinfer.bench"))
+
+
+def test_no_library_module_imports_a_benchmark():
+    """Benchmarks live in bench/ and library code needs none of them (nor their report writer)."""
+    found = _library_modules_importing_bench(grimp.build_graph("matrixinfer", cache_dir=None))
+    assert not found, "library modules importing bench/: " + "; ".join(found)
+
+
 def test_the_check_finds_a_circle_and_an_upward_import():
     """The checks can fail: a made-up circle and an upward arrow are found."""
     graph = grimp.build_graph("matrixinfer", cache_dir=None)
@@ -131,6 +146,8 @@ def test_the_check_finds_a_circle_and_an_upward_import():
     assert graph.find_illegal_dependencies_for_layers(layers=FLOORS, containers=set())
     graph.add_import(importer="matrixinfer.model.context", imported="matrixinfer.model.deepseek")
     assert any("matrixinfer.model.context" in c for c in _circles(graph))
+    graph.add_import(importer="matrixinfer.ems.client", imported="matrixinfer.bench.report")
+    assert _library_modules_importing_bench(graph) == ["matrixinfer.ems.client -> matrixinfer.bench.report"]
     edges = _load_time_imports()
     edges["matrixinfer.kernels"] = edges["matrixinfer.kernels"] | {"matrixinfer.engine.core"}
     assert any("matrixinfer.kernels" in c for c in _circles(edges))

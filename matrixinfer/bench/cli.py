@@ -1,6 +1,7 @@
 """`matrixinfer bench pdc` (the colocated engine against the PDC stack; pdc_bench.py runs it) and
 `matrixinfer bench make-model` (make_model.py: a random checkpoint of a real model's shapes),
-`matrixinfer bench quant` / `int8-gemm` (quant_bench.py: the INT8 ablation and GEMM)."""
+`matrixinfer bench quant` / `int8-gemm` (quant_bench.py: the INT8 ablation and GEMM),
+`matrixinfer bench ems` (ems_bench.py and its variants)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,36 @@ def _bench_pdc(args) -> int:
     return main(args)
 
 
+def _bench_ems(args) -> int:
+    # each variant is a module of its own beside ems_bench.py (they share its timers)
+    if args.huge_pages:
+        from matrixinfer.bench.ems_hugepages_bench import run_hugepages_bench
+
+        return run_hugepages_bench(args)
+    if args.replicas:
+        from matrixinfer.bench.ems_replicas_bench import run_replicas_bench
+
+        return run_replicas_bench(args)
+    from matrixinfer.bench.ems_bench import run_bench
+
+    return run_bench(args)
+
+
+def _register_ems(bench_sub) -> None:
+    b = bench_sub.add_parser("ems", help="EMS vs Redis put/get; model cache vs direct loading")
+    b.add_argument("--quick", action="store_true", help="smaller sweep (smoke test)")
+    b.add_argument("--name", default="ems", help="<out dir>/<name>.json (only 'ems' updates BENCHMARKS.md)")
+    b.add_argument("--huge-pages", action="store_true", help="measure the same-host get path with the arena on huge "
+                   "pages and without, instead")
+    b.add_argument("--replicas", type=int, default=0, help="N >= 2: measure a namespace with N copies side by side "
+                   "with one copy (put/get latency, pool bytes, misses and re-replication after a kill -9), instead")
+    b.set_defaults(func=_bench_ems)
+
+
 def register(sub, bench_sub) -> None:
     from matrixinfer.bench import make_model, quant_bench
 
+    _register_ems(bench_sub)
     make_model.register(bench_sub)
     quant_bench.register(bench_sub)
     p = bench_sub.add_parser("pdc", help="same load against `serve --colocated` and the PDC stack (two routers)")

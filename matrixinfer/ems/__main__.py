@@ -10,10 +10,9 @@ from .cli import register
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m matrixinfer.ems")
     sub = parser.add_subparsers(dest="command", required=True)
-    bench = sub.add_parser("bench")
-    register(sub, bench.add_subparsers(dest="bench_command", required=True))
+    register(sub, argparse.ArgumentParser().add_subparsers())  # the roles only: `matrixinfer bench ems` is bench/'s
     argv = list(argv if argv is not None else sys.argv[1:])
-    args = parser.parse_args(argv if argv[:1] == ["bench"] else ["ems", *argv])
+    args = parser.parse_args(["ems", *argv])
     return int(args.func(args) or 0)
 
 

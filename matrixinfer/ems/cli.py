@@ -92,21 +92,6 @@ def _ns_list(args) -> int:
     return 0
 
 
-def _bench(args) -> int:
-    # the variants are their own modules, picked here (they use bench.py's timers)
-    if args.huge_pages:
-        from .hugepages_bench import run_hugepages_bench
-
-        return run_hugepages_bench(args)
-    if args.replicas:
-        from .replicas_bench import run_replicas_bench
-
-        return run_replicas_bench(args)
-    from .bench import run_bench
-
-    return run_bench(args)
-
-
 def register(sub, bench_sub) -> None:
     ems = sub.add_parser("ems", help="Elastic Memory Service: controller, MP servers, model cache")
     ems_sub = ems.add_subparsers(dest="ems_command", required=True)
@@ -171,11 +156,3 @@ def register(sub, bench_sub) -> None:
     p.add_argument("--controller", required=True)
     p.set_defaults(func=_ns_list)
 
-    b = bench_sub.add_parser("ems", help="EMS vs Redis put/get; model cache vs direct loading")
-    b.add_argument("--quick", action="store_true", help="smaller sweep (smoke test)")
-    b.add_argument("--name", default="ems", help="<out dir>/<name>.json (only 'ems' updates BENCHMARKS.md)")
-    b.add_argument("--huge-pages", action="store_true", help="measure the same-host get path with the arena on huge "
-                   "pages and without, instead")
-    b.add_argument("--replicas", type=int, default=0, help="N >= 2: measure a namespace with N copies side by side "
-                   "with one copy (put/get latency, pool bytes, misses and re-replication after a kill -9), instead")
-    b.set_defaults(func=_bench)

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from matrixinfer.bench.cli import _register_ems
 from matrixinfer.ems.cli import parse_bytes, register
 
 
@@ -23,6 +24,7 @@ def test_every_subcommand_is_registered_with_a_function():
     sub = parser.add_subparsers(dest="command")
     bench = sub.add_parser("bench").add_subparsers(dest="bench_command")
     register(sub, bench)
+    _register_ems(bench)
     for argv in (["ems", "controller"], ["ems", "server", "--controller", "h:1", "--ssd-dir", "d"],
                  ["ems", "model-load", "--model", "d", "--direct"], ["ems", "source", "--model", "d"],
                  ["ems", "stats", "--controller", "h:1"], ["ems", "ns-create", "--controller", "h:1", "--name", "n"],

@@ -21,8 +21,8 @@ import time
 
 from matrixinfer.bench.report import markdown_table, save_json
 
-from .client import EMSClient
-from .local import LocalCluster
+from matrixinfer.ems.client import EMSClient
+from matrixinfer.ems.local import LocalCluster
 
 SIZES = [64 << 10, 1 << 20, 4 << 20]
 ARENA = 512 << 20

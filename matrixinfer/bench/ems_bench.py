@@ -8,8 +8,8 @@
 
 Results: <out>/ems.json, <out>/ems.png, section "ems" of <out>/BENCHMARKS.md (see
 bench/report.py: --out, --save). `--huge-pages` instead measures the same-host get path with
-the arena on huge pages and without (hugepages_bench.py); `--replicas N` what N copies of
-each object cost next to one (replicas_bench.py).
+the arena on huge pages and without (ems_hugepages_bench.py); `--replicas N` what N copies of
+each object cost next to one (ems_replicas_bench.py).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from tqdm import tqdm
 
 from matrixinfer.bench.report import bench_dir, markdown_table, save_json, write_section
 
-from .client import EMSClient
-from .local import LocalCluster
+from matrixinfer.ems.client import EMSClient
+from matrixinfer.ems.local import LocalCluster
 
 SIZES = [64 << 10, 256 << 10, 1 << 20, 4 << 20]
 BATCH = 16
@@ -168,7 +168,7 @@ def bench_model_cache(root: str, model_bytes: int, mbps: float, rounds: int, bar
     with LocalCluster(n_servers=2, root=os.path.join(root, "mc"), dram_bytes=size + (64 << 20)) as cl:
         src = cl._spawn(["source", "--model", ckpt, "--bandwidth-mbps", str(mbps)], "source.log")
         try:
-            from .model_cache import RemoteSource
+            from matrixinfer.ems.model_cache import RemoteSource
 
             source = RemoteSource(src.addr)
             admin = EMSClient(cl.controller, "admin")
@@ -332,3 +332,4 @@ def run_bench(args) -> int:
         write_section("ems", md)
     print(md)
     return 0
+

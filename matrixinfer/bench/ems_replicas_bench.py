@@ -20,9 +20,9 @@ import numpy as np
 
 from matrixinfer.bench.report import markdown_table, save_json
 
-from .bench import _timed
-from .client import EMSClient
-from .local import LocalCluster
+from matrixinfer.bench.ems_bench import _timed
+from matrixinfer.ems.client import EMSClient
+from matrixinfer.ems.local import LocalCluster
 
 SIZES = [64 << 10, 1 << 20]
 BATCH = 16
