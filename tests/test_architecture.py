@@ -1,8 +1,8 @@
 """The package's import graph keeps its drawing (grimp reads it from the source, every import
-statement, function-level ones too): no module takes part in an import circle, no library
-module imports a benchmark, and the floors
-of a request's path import only downward, serving -> pdc -> frontend -> engine -> executor ->
-worker -> model -> kernels. The one exception left is listed: the engine's step messages
+statement, function-level ones too): no module takes part in an import circle (nor, counting
+the package __init__s an import runs, in a circle of load-time imports), no library module
+imports a benchmark, and the floors of a request's path import only downward, serving -> pdc
+-> frontend -> engine -> executor -> worker -> model -> kernels. The one exception left is listed: the engine's step messages
 (SchedulerOutput, SamplingParams, Logprob) and its block name (the EMS page key the KV
 connector shares) are read from below until they move to a module of the boundary under the
 engine (issue 52)."""
