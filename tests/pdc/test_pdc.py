@@ -357,12 +357,13 @@ def test_structured_outputs_survive_the_prefill_to_decode_hand_off(stack):
     (before, the grammar restarted on the decode instance and wrote '{{')."""
     import json
 
-    _, server, _ = stack
+    _, server, tenants = stack
+    auth = {"Authorization": f"Bearer {tenants.add_key('tenant-g')}"}  # keys exist once a test made one
     schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
               "required": ["a"], "additionalProperties": False}
     r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 20,
                                                          "temperature": 1.0, "n": 4, "seed": 0, "guided_json": schema},
-                   timeout=120)
+                   headers=auth, timeout=120)
     assert r.status_code == 200, r.text
     for c in r.json()["choices"]:
         assert c["finish_reason"] == "stop" and 0 <= json.loads(c["text"])["a"] <= 9, c
